@@ -1,0 +1,80 @@
+"""Static, position-addressed draft caches (spec §6.6).
+
+Per depth: K (post-sconv, post-k_norm) and V (post-sconv) per absolute position, and the four short-conv input
+streams (k, v, attention branch, MLP branch) per absolute position. Buffers are allocated once with fixed addresses
+(CUDA-graph friendly) and written by position, so recomputing a position overwrites it: rejected rows never need a
+rollback. Each buffer has one extra row, ``pad_position == max_length``: a scratch slot that padding rows write to
+and that no real query can see (real positions are < max_length, and keys are visible only at distances >= 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import MTPConfig
+
+
+@dataclass
+class DepthCache:
+    k: torch.Tensor  # [B, S, Hkv, d]
+    v: torch.Tensor  # [B, S, Hkv, d]
+    conv_k: torch.Tensor  # [B, S, Hkv*d]
+    conv_v: torch.Tensor  # [B, S, Hkv*d]
+    conv_attn: torch.Tensor  # [B, S, H]
+    conv_mlp: torch.Tensor  # [B, S, H]
+    key_positions: torch.Tensor  # [S] = arange(S): the absolute position of each slot
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new rows at their positions; return every slot of the first ``B`` sequences."""
+        batch = k.shape[0]
+        rows = torch.arange(batch, device=k.device)[:, None].expand_as(positions)
+        self.k.index_put_((rows, positions), k)
+        self.v.index_put_((rows, positions), v)
+        return self.k[:batch], self.v[:batch]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.conv_k, self.conv_v, self.conv_attn, self.conv_mlp]
+
+
+class MTPCache:
+    """All depths' caches for up to ``batch_size`` sequences of up to ``max_length`` positions."""
+
+    def __init__(self, config: MTPConfig, batch_size: int, max_length: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        if batch_size < 1 or max_length < 1:
+            raise ValueError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
+        self.batch_size, self.max_length = batch_size, max_length
+        slots = max_length + 1
+        key_positions = torch.arange(slots, device=device)
+
+        def buf(*shape):
+            return torch.zeros(batch_size, slots, *shape, dtype=dtype, device=device)
+
+        self.depths = [
+            DepthCache(
+                k=buf(g.num_kv_heads, g.head_dim),
+                v=buf(g.num_kv_heads, g.head_dim),
+                conv_k=buf(g.num_kv_heads * g.head_dim),
+                conv_v=buf(g.num_kv_heads * g.head_dim),
+                conv_attn=buf(config.hidden_size),
+                conv_mlp=buf(config.hidden_size),
+                key_positions=key_positions,
+            )
+            for g in config.depths
+        ]
+
+    @property
+    def pad_position(self) -> int:
+        """Position to give padding rows: a scratch slot that real rows never attend to."""
+        return self.max_length
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in self.depths for t in d.tensors())
+
+    def zero_(self) -> MTPCache:
+        for depth in self.depths:
+            for t in depth.tensors():
+                t.zero_()
+        return self

@@ -1,0 +1,192 @@
+"""The drafter: an ``InklingMTP`` plus its static cache, run through ``torch.compile`` and, on GPU, CUDA graphs.
+
+One call drafts one token per sequence from MTP depth 0: the rows given (the prompt at prefill, or the target's
+verified window while decoding) are written into the position-addressed cache and the last row's logits give the
+draft (spec §6.3-6.4). Shapes are bucketed so that compiled graphs are reused: the batch is padded up to a batch
+bucket and the rows up to a power of two, with padding rows at ``cache.pad_position`` (they touch only a scratch
+slot). Each (batch bucket, rows, greedy/sampled) shape owns static input/output buffers; on CUDA the shapes in
+``graph_rows`` are captured once as CUDA graphs sharing one memory pool and later only replayed. Greedy and sampled
+drafting both stay on the device: sampling uses the exponential-race form of the Gumbel trick
+(``argmax(q / E)``, ``E ~ Exp(1)``), with q the muP-correct draft distribution, returned for verification.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..model.mtp import InklingMTP
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+DEFAULT_GRAPH_ROWS = (1, 2)  # the K=1 decode windows: one row after a rejection, two after an acceptance
+RECOMPILE_LIMIT = 64  # one compiled graph per (batch bucket, row bucket, mode); raised only around our own calls
+
+
+@dataclass
+class DraftResult:
+    tokens: torch.Tensor  # [B] drafted token ids
+    probs: torch.Tensor | None  # [B, V] draft distribution the tokens were sampled from; None when greedy
+    hidden: torch.Tensor  # [B, H] last row's depth output (the next depth's hidden input when chaining)
+
+
+class _Shape:
+    """Static buffers (and, on CUDA, a captured graph) for one (batch bucket, rows, sampled) shape."""
+
+    def __init__(self, drafter: Drafter, batch: int, rows: int, sampled: bool):
+        model, dev = drafter.model, drafter.model.device
+        self.batch, self.rows, self.sampled = batch, rows, sampled
+        self.input_ids = torch.zeros(batch, rows, dtype=torch.long, device=dev)
+        self.positions = torch.full((batch, rows), -1, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(batch, rows, model.config.hidden_size, dtype=model.dtype, device=dev)
+        vocab = model.config.logits_vocab_size
+        self.noise = torch.ones(batch, vocab, dtype=torch.float32, device=dev) if sampled else None
+        self.inv_temperature = torch.ones(batch, 1, dtype=torch.float32, device=dev) if sampled else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, ...] | None = None
+
+    def args(self):
+        base = (self.input_ids, self.positions, self.hidden)
+        return base + (self.noise, self.inv_temperature) if self.sampled else base
+
+
+class Drafter:
+    """Drafts with depth 0 of ``model`` for up to ``max_batch_size`` sequences of up to ``max_length`` positions.
+
+    ``compile=False`` runs the eager model (same buffers and results); ``cuda_graphs`` defaults to on for CUDA models.
+    """
+
+    def __init__(self, model: InklingMTP, max_batch_size: int, max_length: int, *, compile: bool = True,
+                 cuda_graphs: bool | None = None, batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
+                 graph_rows: tuple[int, ...] = DEFAULT_GRAPH_ROWS, compile_options: dict | None = None):
+        self.model = model
+        self.max_batch_size, self.max_length = max_batch_size, max_length
+        self.cache = model.new_cache(max_batch_size, max_length)
+        self.batch_buckets = tuple(sorted({b for b in batch_buckets if b < max_batch_size} | {max_batch_size}))
+        self.graph_batch_limit = max(batch_buckets)
+        self.graph_rows = tuple(graph_rows)
+        on_cuda = model.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs a CUDA model; this one is on {model.device}")
+        self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        options = dict(fullgraph=True, dynamic=False, **(compile_options or {}))
+        self._greedy = torch.compile(self._greedy_step, **options) if compile else self._greedy_step
+        self._sampled = torch.compile(self._sampled_step, **options) if compile else self._sampled_step
+        self._shapes: dict[tuple[int, int, bool], _Shape] = {}
+        self._pool = None
+
+    # -- the compiled step functions (traced by torch.compile; our Inductor passes apply to them) ------------------
+
+    def _run_depth0(self, input_ids, positions, hidden):
+        positions = torch.where(positions < 0, self.cache.pad_position, positions)
+        out = self.model(input_ids, positions, hidden, cache=self.cache, depth=0)
+        return out[:, -1]
+
+    def _greedy_step(self, input_ids, positions, hidden):
+        last = self._run_depth0(input_ids, positions, hidden)
+        return self.model.get_top_tokens(last), last
+
+    def _sampled_step(self, input_ids, positions, hidden, noise, inv_temperature):
+        last = self._run_depth0(input_ids, positions, hidden)
+        probs = torch.softmax(self.model.compute_logits(last).float() * inv_temperature, dim=-1)
+        return (probs / noise).argmax(dim=-1), last, probs
+
+    # -- public API ---------------------------------------------------------------------------------------------
+
+    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, *,
+              temperature: float = 0.0, generator: torch.Generator | None = None,
+              validate: bool = True) -> DraftResult:
+        """Run depth 0 over rows [B, T] and draft the token after the last column of each sequence.
+
+        Row t of sequence b is (target hidden at ``positions[b, t]``, token at ``positions[b, t] + 1``); negative
+        positions mark padding rows. ``validate`` checks ids and positions against the table and the cache (this
+        reads them: a host sync), which internal callers that already know them skip.
+        """
+        if validate:
+            self.check(input_ids, positions, hidden)
+        batch, rows = positions.shape
+        shape = self._shape(batch, rows, temperature > 0)
+        shape.input_ids[:batch, -rows:].copy_(input_ids)
+        shape.positions[:batch, -rows:].copy_(positions)
+        shape.hidden[:batch, -rows:].copy_(hidden)
+        if shape.sampled:
+            shape.noise.exponential_(generator=generator)
+            shape.inv_temperature.fill_(1.0 / temperature)
+        outputs = self._execute(shape)
+        tokens, last = outputs[0][:batch].clone(), outputs[1][:batch].clone()
+        probs = outputs[2][:batch].clone() if shape.sampled else None
+        return DraftResult(tokens=tokens, probs=probs, hidden=last)
+
+    def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """ValueError naming the problem for a bad batch, shape, id or position (reads values: syncs)."""
+        if positions.dim() != 2:
+            raise ValueError(f"positions must be [batch, rows], got shape {tuple(positions.shape)}")
+        batch = positions.shape[0]
+        if batch > self.max_batch_size:
+            raise ValueError(f"batch of {batch} sequences exceeds the drafter's max_batch_size {self.max_batch_size}")
+        real = positions.masked_fill(positions < 0, 0)
+        if positions.numel() and int(positions.max()) >= self.max_length:
+            raise ValueError(f"position {int(positions.max())} is past the cache capacity "
+                             f"(max_length {self.max_length})")
+        self.model.check_inputs(input_ids, real, hidden, self.cache)
+
+    def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
+        """Compile and (on CUDA) capture every graph shape for ``batch_sizes`` now; returns the seconds it took."""
+        start = time.perf_counter()
+        for batch in batch_sizes or self.batch_buckets:
+            for rows in self.graph_rows:
+                self._execute(self._shape(batch, rows, temperature > 0))
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def bucket(self, batch: int, rows: int) -> tuple[int, int]:
+        """The padded (batch, rows) shape a call of this size runs as."""
+        padded_batch = next((b for b in self.batch_buckets if b >= batch), batch)
+        padded_rows = rows if rows in self.graph_rows else 1 << (rows - 1).bit_length()
+        return padded_batch, padded_rows
+
+    def uses_graph(self, batch: int, rows: int) -> bool:
+        padded_batch, padded_rows = self.bucket(batch, rows)
+        return self.cuda_graphs and padded_batch <= self.graph_batch_limit and padded_rows in self.graph_rows
+
+    # -- shapes, compilation, graphs ----------------------------------------------------------------------------
+
+    def _shape(self, batch: int, rows: int, sampled: bool) -> _Shape:
+        key = (*self.bucket(batch, rows), sampled)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = _Shape(self, *key)
+        elif batch < shape.batch or rows < shape.rows:  # a smaller call reuses the buffers: reset its padding
+            shape.positions.fill_(-1)
+        return shape
+
+    def _execute(self, shape: _Shape) -> tuple[torch.Tensor, ...]:
+        if shape.graph is not None:
+            shape.graph.replay()
+            return shape.outputs
+        step = self._sampled if shape.sampled else self._greedy
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            outputs = step(*shape.args())
+            if self.uses_graph(shape.batch, shape.rows):
+                outputs = self._capture(shape, step)
+        return outputs
+
+    def _capture(self, shape: _Shape, step) -> tuple[torch.Tensor, ...]:
+        """Warm up on a side stream, then capture ``step`` on the shared pool (the cache writes are idempotent:
+        the same rows are rewritten with the same values during warm-up, capture and the first replay)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step(*shape.args())
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            shape.outputs = step(*shape.args())
+        shape.graph = graph
+        graph.replay()
+        return shape.outputs

@@ -1,0 +1,37 @@
+"""Shared test helpers: tiny configs and randomly initialised models (fp32, seeded)."""
+
+import torch
+from transformers import InklingTextConfig
+
+from inkling_compiled import InklingMTP, MTPConfig
+
+
+def tiny_text_config(**overrides) -> InklingTextConfig:
+    """A tiny Inkling text config with 2 MTP depths (0 sliding, 1 full), short window/extent and GQA on full depths."""
+    fields = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_head_dim=32, d_rel=16, sliding_window_size=8,
+        rel_extent=16, intermediate_size=96, vocab_size=256, unpadded_vocab_size=250, num_mtp_layers=2,
+        mtp_local_layer_ids=[0], mlp_layer_types=["dense", "dense"], hidden_act="silu",
+    )
+    fields.update(overrides)
+    return InklingTextConfig(**fields)
+
+
+def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights with sane magnitudes; norm gains near 1 so swapped tensors show up as differences."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name or "global_scale" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(noise * (0.5 / max(1, p.shape[-1]) ** 0.5) if p.dim() > 1 else 0.2 * noise)
+    return module
+
+
+def random_mtp(text_config: InklingTextConfig | None = None, seed: int = 0, dtype=torch.float32,
+               **config_kwargs) -> InklingMTP:
+    model = InklingMTP(MTPConfig.from_hf(text_config or tiny_text_config(), **config_kwargs))
+    return randomize_(model, seed).to(dtype).eval().requires_grad_(False)
