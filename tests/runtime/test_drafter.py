@@ -1,0 +1,127 @@
+"""The drafter: compiled step == eager model, no recompiles while decoding, bucketing, CUDA graphs (gpu marker)."""
+
+import pytest
+import torch
+
+from inkling_compiled.runtime import Drafter
+from tests.helpers import random_mtp
+
+PROMPT = 11
+
+
+def stream(batch, length, seed=0, device="cpu", dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 250, (batch, length), generator=gen)
+    hidden = torch.randn(batch, length, 64, generator=gen)
+    positions = torch.arange(length)[None].expand(batch, length).contiguous()
+    return ids.to(device), positions.to(device), hidden.to(device=device, dtype=dtype)
+
+
+def run_decode(drafter, ids, positions, hidden, windows, temperature=0.0, seed=0):
+    """Prefill PROMPT rows, then the K=1 decode pattern: windows of 1 (rejection) or 2 (acceptance) rows."""
+    gen = torch.Generator(device=ids.device).manual_seed(seed)
+    results = [drafter.draft(ids[:, :PROMPT], positions[:, :PROMPT], hidden[:, :PROMPT],
+                             temperature=temperature, generator=gen)]
+    start = PROMPT
+    for rows in windows:
+        sl = slice(start, start + rows)
+        results.append(drafter.draft(ids[:, sl], positions[:, sl], hidden[:, sl], temperature=temperature,
+                                     generator=gen, validate=False))
+        start += rows
+    return results
+
+
+WINDOWS = [1, 2, 2, 1, 1, 2, 1, 2, 2, 2]
+
+
+@torch.no_grad()
+def test_compiled_drafter_matches_eager_model():
+    model = random_mtp()
+    ids, positions, hidden = stream(3, PROMPT + sum(WINDOWS))
+    compiled = run_decode(Drafter(model, max_batch_size=4, max_length=64), ids, positions, hidden, WINDOWS)
+    # eager reference: the full-sequence forward's top tokens at each window's last row
+    full = model(ids, positions, hidden)
+    ends = [PROMPT - 1]
+    for rows in WINDOWS:
+        ends.append(ends[-1] + rows)
+    expected = model.get_top_tokens(full)[:, ends]
+    assert torch.equal(torch.stack([r.tokens for r in compiled], 1), expected)
+    assert (compiled[-1].hidden - full[:, -1]).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_no_recompiles_over_64_decode_steps():
+    model = random_mtp()
+    windows = [1, 2] * 32
+    ids, positions, hidden = stream(2, PROMPT + sum(windows))
+    drafter = Drafter(model, max_batch_size=2, max_length=256)
+    run_decode(drafter, ids, positions, hidden, windows[:2])  # compiles the prefill, 1-row and 2-row shapes
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        results = run_decode(drafter, ids, positions, hidden, windows)
+    assert len(results) == 65
+
+
+@torch.no_grad()
+def test_batch_sizes_share_a_bucket_and_large_batches_fall_back():
+    model = random_mtp()
+    drafter = Drafter(model, max_batch_size=6, max_length=64, compile=False, batch_buckets=(1, 2, 4))
+    assert drafter.bucket(3, 1) == (4, 1) and drafter.bucket(5, 2) == (6, 2) and drafter.bucket(1, 11) == (1, 16)
+    for batch in (3, 4, 5):
+        ids, positions, hidden = stream(batch, PROMPT)
+        result = drafter.draft(ids, positions, hidden)
+        assert torch.equal(result.tokens, model.get_top_tokens(model(ids, positions, hidden))[:, -1])
+
+
+@torch.no_grad()
+def test_sampling_returns_the_muP_correct_distribution():
+    model = random_mtp()
+    model.lm_head_weight.mul_(300.0)  # random weights give near-uniform logits; make them peaked
+    ids, positions, hidden = stream(2, PROMPT)
+    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False)
+    temperature, draws = 0.7, 400
+    result = drafter.draft(ids, positions, hidden, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    logits = model.compute_logits(model(ids, positions, hidden)[:, -1])
+    torch.testing.assert_close(result.probs, torch.softmax(logits / temperature, -1))
+    # the exponential race samples from probs: every token's frequency is within 4 sigma of its probability
+    counts = torch.zeros_like(result.probs)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(draws):
+        tokens = drafter.draft(ids, positions, hidden, temperature=temperature, generator=gen, validate=False).tokens
+        counts[torch.arange(2), tokens] += 1
+    p = result.probs
+    assert p.max() > 0.2  # the check below is meaningful only for a peaked distribution
+    assert ((counts / draws - p).abs() <= 4 * (p * (1 - p) / draws).sqrt() + 1 / draws).all()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@torch.no_grad()
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cuda_graph_replay_equals_compiled_step(temperature):
+    model = random_mtp(dtype=torch.bfloat16).cuda()
+    ids, positions, hidden = stream(3, PROMPT + sum(WINDOWS), device="cuda", dtype=torch.bfloat16)
+    graphs = Drafter(model, max_batch_size=4, max_length=64, cuda_graphs=True)
+    plain = Drafter(model, max_batch_size=4, max_length=64, cuda_graphs=False)
+    with_graphs = run_decode(graphs, ids, positions, hidden, WINDOWS, temperature)
+    without = run_decode(plain, ids, positions, hidden, WINDOWS, temperature)
+    assert graphs.uses_graph(3, 1) and any(s.graph is not None for s in graphs._shapes.values())
+    for a, b in zip(with_graphs, without):
+        assert torch.equal(a.tokens, b.tokens)
+        assert torch.equal(a.hidden, b.hidden)
+
+
+@pytest.mark.gpu
+@cuda
+@torch.no_grad()
+def test_cuda_batches_beyond_the_largest_bucket_run_without_graphs():
+    model = random_mtp(dtype=torch.bfloat16).cuda()
+    drafter = Drafter(model, max_batch_size=6, max_length=64, batch_buckets=(1, 2, 4))
+    ids, positions, hidden = stream(5, PROMPT + 1, device="cuda", dtype=torch.bfloat16)
+    drafter.draft(ids[:, :PROMPT], positions[:, :PROMPT], hidden[:, :PROMPT])
+    result = drafter.draft(ids[:, PROMPT:], positions[:, PROMPT:], hidden[:, PROMPT:])
+    assert not drafter.uses_graph(5, 1)
+    expected = model.get_top_tokens(model(ids, positions, hidden))[:, -1]
+    assert torch.equal(result.tokens, expected)
