@@ -120,16 +120,17 @@ class Drafter:
 
     def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """ValueError naming the problem for a bad batch, shape, id or position (reads values: syncs)."""
-        if positions.dim() != 2:
-            raise ValueError(f"positions must be [batch, rows], got shape {tuple(positions.shape)}")
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+            got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+            raise ValueError(f"positions must be a [batch, rows] tensor, got {got}")
         batch = positions.shape[0]
         if batch > self.max_batch_size:
             raise ValueError(f"batch of {batch} sequences exceeds the drafter's max_batch_size {self.max_batch_size}")
-        real = positions.masked_fill(positions < 0, 0)
-        if positions.numel() and int(positions.max()) >= self.max_length:
+        # type / device / shape / id checks first: reading position values needs a real integer tensor
+        self.model.check_inputs(input_ids, positions.masked_fill(positions < 0, 0), hidden, self.cache)
+        if int(positions.max()) >= self.max_length:
             raise ValueError(f"position {int(positions.max())} is past the cache capacity "
                              f"(max_length {self.max_length})")
-        self.model.check_inputs(input_ids, real, hidden, self.cache)
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph shape for ``batch_sizes`` now; returns the seconds it took."""

@@ -1,0 +1,151 @@
+"""Speculative generation from the command line: ``python -m inkling_compiled.generate``.
+
+Loads a transformers Inkling target and its MTP head from a raw-layout checkpoint directory (default: the tiny
+synthetic checkpoint, written once and cached), builds the drafter, generates from random prompts with
+:func:`inkling_compiled.runtime.speculative.speculative_generate`, and prints the tokens and acceptance figures.
+Random MTP weights give (near) zero acceptance: the figures are only meaningful for trained or distilled heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import sys
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.generate", description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", help="raw Inkling checkpoint directory (default: tiny synthetic checkpoint)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt (default 16)")
+    parser.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
+    parser.add_argument("--ragged", action="store_true",
+                        help="give the sequences different prompt lengths (left padding)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="default 32")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's EOS ids")
+    parser.add_argument("--no-compile", action="store_true", help="run the drafter eagerly")
+    parser.add_argument("--no-warmup", action="store_true", help="time the first call (compilation included)")
+    parser.add_argument("--check", action="store_true",
+                        help="greedy only: also run the target's own generate() and compare the tokens")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    args = parser.parse_args(argv)
+    for name in ("prompt_len", "batch", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.check and args.temperature > 0:
+        parser.error("--check compares against greedy generate(); use it with --temperature 0")
+    return args
+
+
+def _load_hf_target(path, dtype):
+    try:
+        from .synthetic import load_hf_target
+    except ImportError:  # pragma: no cover - fallback while the synthetic module is absent
+        from transformers import InklingForConditionalGeneration
+
+        return InklingForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
+    return load_hf_target(path, dtype=dtype)
+
+
+def build(args):
+    """(path, target, drafter) for the parsed arguments."""
+    from .model import InklingMTP
+    from .runtime.drafter import Drafter
+
+    if args.checkpoint:
+        path = args.checkpoint
+    else:
+        from .synthetic import cached_checkpoint
+
+        path = cached_checkpoint("tiny")
+    dtype = DTYPES[args.dtype]
+    target = _load_hf_target(path, dtype).to(args.device).requires_grad_(False)
+    mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device)
+    kwargs = {}
+    if "compile" in inspect.signature(Drafter).parameters:
+        kwargs["compile"] = not args.no_compile
+    drafter = Drafter(mtp, max_batch_size=args.batch, max_length=args.prompt_len + args.max_new_tokens, **kwargs)
+    return path, target, drafter
+
+
+def random_prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(min(8, vocab - 1), vocab, (args.batch, args.prompt_len), generator=gen)
+    mask = torch.ones_like(ids)
+    if args.ragged and args.batch > 1:
+        lengths = torch.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, (args.batch,), generator=gen)
+        for b, n in enumerate(lengths.tolist()):
+            mask[b, : args.prompt_len - n] = 0
+            ids[b, : args.prompt_len - n] = 0
+    return ids.to(args.device), mask.to(args.device)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from .runtime.speculative import speculative_generate
+
+    torch.manual_seed(args.seed)
+    path, target, drafter = build(args)
+    text = target.config.get_text_config()
+    vocab = text.unpadded_vocab_size or text.vocab_size
+    ids, mask = random_prompts(args, vocab)
+    eos = None if args.ignore_eos else target.generation_config.eos_token_id
+    pad = target.generation_config.pad_token_id
+
+    def run():
+        gen = torch.Generator(device=args.device).manual_seed(args.seed)
+        return speculative_generate(target, drafter, ids, mask, max_new_tokens=args.max_new_tokens,
+                                    temperature=args.temperature, top_p=args.top_p, eos_token_id=eos,
+                                    pad_token_id=pad, generator=gen)
+
+    if not args.no_warmup:
+        run()
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = run()
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+
+    print(f"checkpoint: {path}")
+    print(f"target: {type(target).__name__}, drafter compile={not args.no_compile}, device={args.device}, "
+          f"dtype={args.dtype}, temperature={args.temperature}, top_p={args.top_p}, eos={eos}")
+    prompt_len = ids.shape[1]
+    for b in range(ids.shape[0]):
+        real = int(mask[b].sum())
+        print(f"[{b}] prompt ({real}): {ids[b, prompt_len - real:].tolist()}")
+        print(f"[{b}] new    ({out.num_new_tokens}): {out.sequences[b, prompt_len:].tolist()}")
+    print(f"drafted {out.num_drafted}, accepted {out.num_accepted}, acceptance rate {out.acceptance_rate:.3f}, "
+          f"mean accepted length {out.mean_accepted_length:.3f} tokens / target forward "
+          f"({out.num_rounds} verify rounds + prefill)")
+    print(f"accepted per round: {out.accepted_per_round}")
+    print(f"tokens per round:   {out.emitted_per_round}")
+    new_tokens = out.num_new_tokens * ids.shape[0]
+    print(f"time {seconds * 1e3:.1f} ms, {new_tokens / seconds:.1f} tokens/s"
+          f"{'' if args.no_warmup else ' (after one warm-up call)'}")
+    if args.check:
+        config = copy.deepcopy(target.generation_config)
+        config.eos_token_id = eos
+        if eos is not None and pad is None:
+            config.pad_token_id = eos if isinstance(eos, int) else eos[0]
+        config.do_sample, config.max_new_tokens, config.max_length = False, args.max_new_tokens, None
+        reference = target.generate(ids, attention_mask=mask, generation_config=config)
+        same = torch.equal(reference, out.sequences)
+        print(f"greedy generate() match: {same}")
+        if not same:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

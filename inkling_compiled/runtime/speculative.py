@@ -1,0 +1,393 @@
+"""Speculative decoding with the Inkling MTP draft head, K = 1 (spec §6.1-6.4, §6.7).
+
+:func:`speculative_generate` drives a transformers Inkling target (``InklingForCausalLM`` or, text only,
+``InklingForConditionalGeneration``) and a :class:`~inkling_compiled.runtime.drafter.Drafter` (or anything with its
+``draft`` / ``max_batch_size`` / ``max_length`` protocol):
+
+* **Prefill.** The target's base model runs the prompt with its own ``DynamicCache`` and returns the post-final-norm
+  hidden ``h`` (spec §6.2); the logits are ``lm_head(h / logits_mup_width_multiplier)[..., :unpadded_vocab_size]``,
+  the same operations as the target's own forward. ``x_L`` is the target's argmax (greedy) or a sample from the
+  processed target distribution ``p`` (temperature, then top-p). The drafter then runs depth 0 over every prompt row
+  ``t`` with ``(h_t, x_{t+1})`` (the last row carries ``x_L``) and drafts ``d_1``.
+* **Round.** The target verifies ``[x_F, d_1]`` at the next two positions; afterwards its cache is rolled back over
+  the rejected row: ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and
+  the short-conv states keep their history until ``cache.crop(-n)`` drops the last ``n`` rows (``crop(0)`` just trims
+  them back to their working size). The drafter is fed the verified rows (row F with ``x_{F+1}``, plus row F+1 with
+  the bonus token when it was accepted) with the target hiddens of those rows; its position-addressed caches need
+  no rollback for K = 1 (spec §6.4.3).
+
+Lockstep batching and why it is lossless
+----------------------------------------
+All sequences of a batch advance together (one cache, one crop length). In a round, every unfinished row ``b``
+decides ``acc_b`` for its own draft. Every row emits its token for position F+1: greedy, the target's argmax at
+F+1 (equal to ``d_1`` exactly when accepted); sampling, ``d_1`` if accepted, else a sample from
+``normalize(max(0, p - q))``. The bonus token for F+2 (argmax, or a sample from the target's distribution at F+1
+given ``x_{F+1} = d_1``) is emitted only if **all** unfinished rows accepted; otherwise it is dropped, the cache is
+cropped by one row for the whole batch, and rows that had accepted simply recompute F+1 in the next round.
+
+* Greedy: every emitted token is the target's argmax given exactly the committed prefix of its row (the verify
+  rows see only committed tokens plus, at F+1, the draft that the row accepted, i.e. its committed token), so the
+  output equals greedy ``generate`` up to floating-point differences between a 2-row and a 1-row forward.
+* Sampling: for one row, the F+1 token has law ``p(. | prefix)`` whatever ``q`` is (standard speculative
+  sampling: ``P(x) = min(p, q)(x) + (1 - sum min(p, q)) * normalize(max(0, p - q))(x) = p(x)``). The bonus token is
+  drawn from ``p(. | prefix, x_{F+1})`` with randomness independent of every acceptance event, so conditioned on
+  ``x_{F+1}`` and on whether the batch keeps it, it still has law ``p(. | prefix, x_{F+1})``; when it is dropped
+  the next round draws ``x_{F+2}`` afresh from the same conditional law. Hence each emitted token, conditioned on
+  the row's past and on every scheduling decision made so far (which only depend on past tokens and independent
+  coins), is distributed as the target's next-token distribution: the row's sequence has exactly the law of
+  plain ancestral sampling, and rows are independent given their prompts. Other rows only change *when* a token
+  is drawn, never *from what*.
+
+EOS / length (like ``generate``): once a row emits an EOS id it is finished and later columns hold
+``pad_token_id`` (defaults to the first EOS id, as ``generate`` does); finished rows neither count as drafted nor
+block the batch's acceptance. Generation stops when every row is finished or ``max_new_tokens`` columns were
+emitted; a bonus column that would exceed ``max_new_tokens`` (or follow the column where every row finished) is
+never emitted. Top-p applies to the target distribution ``p`` only; ``q`` is whatever the drafter sampled from
+(``softmax(draft_logits / T)``), which keeps the result lossless (a ``q`` that puts mass outside the top-p set only
+lowers acceptance).
+
+Host syncs: input validation (before any model call) and one ``.tolist()`` per round for the accept decision and
+stopping flags; the per-round statistics stay on the device until the end. (transformers' own mask construction
+adds its own checks inside the target forward.)
+
+Plugging into ``generate(..., use_mtp=True)``
+--------------------------------------------
+Checked against transformers 5.24 (``generation/utils.py`` ``_get_candidate_generator`` / ``_assisted_decoding``,
+``generation/candidate_generator.py`` ``MTPCandidateGenerator``): ``use_mtp=True`` hard-wires
+``MTPCandidateGenerator``, which builds transformers' own ``MtpModel`` (``MtpModel.from_pretrained(main_model)``);
+there is no public argument for another candidate generator or draft model. It is feasible without copying code by
+overriding the private ``_get_candidate_generator`` on the target instance to return a ~20-line adapter
+``CandidateGenerator`` (``requires_model_outputs = True``, ``model_kwargs_overrides = {"output_hidden_states": -1}``;
+``get_candidates`` returns the ids unchanged on the first iteration, then calls ``drafter.draft`` on the last
+``n_last_matches + 1`` rows, or all prompt rows after the prefill, with ``hidden_states[-1]``). A prototype of that
+adapter gave, for a batch-1 greedy run on the tiny synthetic checkpoint, the same output as ``generate`` and the same
+drafter rows, drafts and (bit-identical) hiddens as this module. It is not shipped because (1) assisted decoding
+raises for batch size > 1, (2) its sampling path draws from the global RNG (``rand_like`` / ``multinomial``, no
+generator) and its target distribution includes the generation config's default warpers (``top_k=50`` unless
+overridden), (3) it depends on private, fast-moving internals (the first-iteration skip, the hidden-state
+capture). This module runs its own batched, seeded loop and uses ``generate`` as the oracle in the tests.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+__all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
+
+
+@dataclass
+class SpeculativeOutput:
+    """Result of :func:`speculative_generate`.
+
+    ``sequences``: ``[B, L + n]`` (the left-padded prompt followed by the ``n <= max_new_tokens`` new columns).
+    ``acceptance_rate`` = accepted drafts / drafted (counted per unfinished row and round).
+    ``mean_accepted_length`` = new columns emitted by the verify rounds / number of verify rounds (target forwards
+    after the prefill), i.e. tokens per sequence per target forward; for batch 1 it is ``1 + acceptance_rate`` up to
+    the final truncation (vLLM's "acceptance length"). The prefill's first token is not counted in either figure.
+    """
+
+    sequences: torch.LongTensor
+    num_new_tokens: int
+    num_rounds: int
+    num_drafted: int
+    num_accepted: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    drafted_per_round: list[int] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)
+    emitted_per_round: list[int] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# target side
+
+
+def _text_config(target):
+    config = target.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _target_step(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, *, last_only: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over ``input_ids`` [B, T] continuing ``cache``.
+
+    Returns (post-final-norm hidden [B, T, H], float32 logits [B, T or 1, V]); the logits are computed with exactly
+    the operations of the target's own forward (hidden / muP -> lm_head -> drop the padded vocabulary rows).
+    """
+    out = target.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True)
+    hidden = out.last_hidden_state
+    text = _text_config(target)
+    scaled = hidden / text.logits_mup_width_multiplier
+    if last_only:
+        scaled = scaled[:, -1:, :]
+    logits = target.lm_head(scaled)
+    unpadded = text.unpadded_vocab_size
+    if unpadded is not None and unpadded < logits.shape[-1]:
+        logits = logits[..., :unpadded]
+    return hidden, logits.float()
+
+
+def target_distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The processed target distribution p: ``softmax(top_p(logits / temperature))`` over the last dim (float32).
+
+    Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (a token is dropped when the
+    mass of the tokens ranked strictly above it is already >= top_p; the most probable token is always kept).
+    """
+    scaled = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_above >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled.softmax(dim=-1)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from (possibly unnormalized) ``probs`` [B, V], without a host sync (exponential race)."""
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(dim=-1)
+
+
+def _accept_mask(p_draft: torch.Tensor, q_draft: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Speculative-sampling acceptance: accept with probability min(1, p(d) / q(d)) (``u * q < p``, u ~ U[0, 1))."""
+    return uniform * q_draft < p_draft
+
+
+def _verify_sampled(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept/reject ``draft`` [B] (sampled from ``q`` [B, V]) against the target distribution ``p`` [B, V].
+
+    Returns (accepted [B] bool, token [B]): the draft when accepted, else a sample of normalize(max(0, p - q)).
+    """
+    p_d = p.gather(-1, draft[:, None]).squeeze(-1)
+    q_d = q.gather(-1, draft[:, None]).squeeze(-1).to(p.dtype)
+    uniform = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
+    accepted = _accept_mask(p_d, q_d, uniform)
+    residual = (p - q.to(p.dtype)).clamp_min(0.0)
+    # p == q up to rounding: rejection then has (near) zero probability; fall back to p to stay well defined.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    return accepted, torch.where(accepted, draft, _sample(residual, generator))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _accepts_kwarg(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _as_eos_list(eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, torch.Tensor):
+        return [int(v) for v in eos_token_id.reshape(-1).tolist()]
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    return [int(v) for v in eos_token_id]
+
+
+def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check everything before any model call; return (input_ids, attention_mask) as int64 tensors."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not temperature >= 0.0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
+        raise ValueError("input_ids must be an integer tensor of shape [batch, prompt_len]")
+    batch, length = input_ids.shape
+    if batch < 1 or length < 1:
+        raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids, dtype=torch.long)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
+    attention_mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
+    mask_cpu = attention_mask.cpu()
+    if not bool(((mask_cpu == 0) | (mask_cpu == 1)).all()):
+        raise ValueError("attention_mask must contain only 0 and 1")
+    if bool((mask_cpu[:, 1:] < mask_cpu[:, :-1]).any()):
+        raise ValueError("attention_mask must be left-padded (zeros, then ones, in every row)")
+    real = mask_cpu.sum(dim=1)
+    if bool((real == 0).any()):
+        raise ValueError("every sequence needs at least one real (attention_mask == 1) prompt token")
+    if batch > drafter.max_batch_size:
+        raise ValueError(f"batch size {batch} exceeds the drafter's max_batch_size {drafter.max_batch_size}")
+    longest = int(real.max())
+    if longest > drafter.max_length:
+        raise ValueError(f"prompt of {longest} tokens is longer than the drafter's max_length {drafter.max_length}")
+    # Drafter rows go up to position prompt + max_new_tokens - 2 (the row carrying the last emitted token).
+    if longest + max_new_tokens - 1 > drafter.max_length:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} - 1 exceeds the drafter's max_length "
+            f"{drafter.max_length}; build the Drafter with max_length >= {longest + max_new_tokens - 1}")
+    text = _text_config(target)
+    logits_vocab = text.unpadded_vocab_size or text.vocab_size
+    draft_vocab = getattr(getattr(getattr(drafter, "model", None), "config", None), "logits_vocab_size", None)
+    if draft_vocab is not None and draft_vocab != logits_vocab:
+        raise ValueError(f"drafter logits vocabulary {draft_vocab} != target logits vocabulary {logits_vocab}")
+    return input_ids.long(), attention_mask
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the loop
+
+
+def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                         max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                         eos_token_id: int | list[int] | torch.Tensor | None = None, pad_token_id: int | None = None,
+                         generator: torch.Generator | None = None) -> SpeculativeOutput:
+    """Generate up to ``max_new_tokens`` tokens per sequence with K = 1 MTP speculative decoding (see module doc).
+
+    ``input_ids`` [B, L] is left-padded as described by ``attention_mask`` (1 = real token); ``temperature == 0``
+    is greedy (``top_p`` ignored), otherwise tokens follow ``softmax(top_p(logits / temperature))`` exactly.
+    ``generator`` (on the target's device) drives every random draw of the loop and is passed to the drafter.
+    Raises ``ValueError`` on bad arguments before any model call.
+    """
+    input_ids, attention_mask = _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature,
+                                          top_p)
+    eos = _as_eos_list(eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    with torch.no_grad():
+        return _run(target, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                    temperature=float(temperature), top_p=float(top_p), eos=eos, pad_token_id=int(pad_token_id),
+                    generator=generator)
+
+
+def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperature, top_p, eos, pad_token_id,
+         generator) -> SpeculativeOutput:
+    device = input_ids.device
+    batch, length = input_ids.shape
+    greedy = temperature == 0.0
+    draft_temperature = 0.0 if greedy else temperature
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
+    pad = torch.full((batch,), pad_token_id, dtype=torch.long, device=device)
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
+        return logits.argmax(-1) if greedy else _sample(target_distribution(logits, temperature, top_p), generator)
+
+    def is_eos(tokens: torch.Tensor) -> torch.Tensor:
+        if eos_t is None:
+            return torch.zeros_like(tokens, dtype=torch.bool)
+        return torch.isin(tokens, eos_t)
+
+    # -- prefill ------------------------------------------------------------------------------------------------
+    cache = DynamicCache(config=target.config)
+    hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True)
+    first = choose(logits[:, -1])
+    finished = is_eos(first)
+    emitted = [first]
+    cache.activate_past_recording()  # after the prefill: only the verify rows need history for the rollback
+
+    if max_new_tokens == 1 or (eos_t is not None and bool(finished.all())):  # done: no draft needed
+        return _output(input_ids, emitted, [], [])
+
+    pad_left = length - attention_mask.sum(dim=1)  # [B]
+    positions = torch.arange(length, device=device)[None, :] - pad_left[:, None]  # real-token positions, < 0 = pad
+    draft_ids = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
+    result = drafter.draft(draft_ids, positions, hidden, temperature=draft_temperature, generator=generator)
+    # Decode rounds only pass rows this loop built (positions < max_length, batch checked up front): skip the
+    # drafter's own input validation there when it offers to (it reads values, i.e. syncs).
+    round_kwargs = {"validate": False} if _accepts_kwarg(drafter.draft, "validate") else {}
+    last = first  # x_F, the last committed token (not yet in the target cache)
+    last_pos = positions[:, -1] + 1  # F per sequence
+    mask = attention_mask
+
+    stats: list[torch.Tensor] = []
+    emitted_cols: list[int] = []
+    n_new = 1
+    while n_new < max_new_tokens:
+        draft = result.tokens.to(device=device, dtype=torch.long)
+        # -- verify [x_F, d_1] at F, F+1 --------------------------------------------------------------------------
+        # Finished rows verify pad tokens, so their cache holds exactly what their output shows.
+        verify_ids = torch.stack([last, torch.where(finished, pad, draft)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(batch, 2)], dim=1)
+        hidden, logits = _target_step(target, verify_ids, mask, cache, last_only=False)
+        if greedy:
+            token0 = logits[:, 0].argmax(-1)
+            accepted = token0 == draft
+            bonus = logits[:, 1].argmax(-1)
+        else:
+            if result.probs is None:
+                raise ValueError("the drafter returned no probs for temperature > 0")
+            q = result.probs.to(device)
+            if q.shape[-1] != logits.shape[-1]:
+                raise ValueError(f"drafter probs cover {q.shape[-1]} tokens, target logits {logits.shape[-1]}")
+            accepted, token0 = _verify_sampled(target_distribution(logits[:, 0], temperature, top_p), q, draft,
+                                               generator)
+            bonus = _sample(target_distribution(logits[:, 1], temperature, top_p), generator)
+        active = ~finished
+        all_accepted = (accepted | finished).all()
+        token0 = torch.where(finished, pad, token0)
+        finished0 = finished | is_eos(token0)
+        bonus = torch.where(finished0, pad, bonus)
+        finished1 = finished0 | is_eos(bonus)
+        round_stats = torch.stack([active.sum(), (accepted & active).sum()])
+        stats.append(round_stats)
+        # The one host sync of the round: keep the bonus? is everyone done?
+        keep_bonus, all_done0, all_done1 = (
+            bool(v) for v in torch.stack([all_accepted, finished0.all(), finished1.all()]).tolist())
+
+        emitted.append(token0)
+        n_new += 1
+        if all_done0 or n_new >= max_new_tokens:
+            emitted_cols.append(1)
+            break
+        if keep_bonus:
+            emitted.append(bonus)
+            n_new += 1
+            finished = finished1
+            emitted_cols.append(2)
+        else:
+            finished = finished0
+            emitted_cols.append(1)
+        if n_new >= max_new_tokens or (keep_bonus and all_done1):
+            break
+        # -- roll the target back over the rejected row, feed the drafter the verified rows ---------------------
+        kept = 2 if keep_bonus else 1
+        cache.crop(kept - 2)
+        if kept == 1:
+            mask = mask[:, :-1]
+        rows_ids = torch.stack([token0, bonus], dim=1)[:, :kept]
+        rows_pos = last_pos[:, None] + torch.arange(kept, device=device)[None, :]
+        result = drafter.draft(rows_ids, rows_pos, hidden[:, :kept], temperature=draft_temperature,
+                               generator=generator, **round_kwargs)
+        last = rows_ids[:, -1]
+        last_pos = last_pos + kept
+
+    return _output(input_ids, emitted, stats, emitted_cols)
+
+
+def _output(input_ids, emitted: list[torch.Tensor], stats: list[torch.Tensor], emitted_cols: list[int]
+            ) -> SpeculativeOutput:
+    sequences = torch.cat([input_ids, torch.stack(emitted, dim=1)], dim=1)
+    per_round = torch.stack(stats).tolist() if stats else []
+    drafted = [int(d) for d, _ in per_round]
+    accepted_counts = [int(a) for _, a in per_round]
+    num_drafted, num_accepted = sum(drafted), sum(accepted_counts)
+    rounds = len(per_round)
+    return SpeculativeOutput(
+        sequences=sequences,
+        num_new_tokens=len(emitted),
+        num_rounds=rounds,
+        num_drafted=num_drafted,
+        num_accepted=num_accepted,
+        acceptance_rate=num_accepted / num_drafted if num_drafted else 0.0,
+        mean_accepted_length=sum(emitted_cols) / rounds if rounds else 0.0,
+        drafted_per_round=drafted,
+        accepted_per_round=accepted_counts,
+        emitted_per_round=emitted_cols,
+    )

@@ -1,0 +1,444 @@
+"""Speculative decoding loop (spec §6.1-6.4, §6.7): lossless greedy, sampling distribution, cache rollback, bad input.
+
+The target is a tiny random transformers ``InklingForCausalLM`` (fp32, eager attention, sliding window 8 so the
+window is crossed); the drafter is a stand-in defined here that follows the ``Drafter.draft`` protocol, proposes the
+target's own greedy token or a deliberately wrong one (greedy) or samples from a chosen q (sampling), and checks
+every row it is fed against the final sequences.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import DynamicCache, InklingForCausalLM, InklingTextConfig
+
+from inkling_compiled.runtime import speculative
+from inkling_compiled.runtime.speculative import speculative_generate, target_distribution
+
+PAD = 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # 2 shared cores: one intra-op thread is several times faster (and steadier) for these tiny shapes.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_target(*, vocab=128, unpadded=120, hidden=64, mlp=("dense", "sparse"), seed=0, init=0.2, mup=2.0):
+    torch.manual_seed(seed)
+    config = InklingTextConfig(
+        vocab_size=vocab, unpadded_vocab_size=unpadded, hidden_size=hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
+        swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, d_rel=4, rel_extent=16,
+        local_layer_ids=[0], mlp_layer_types=list(mlp), intermediate_size=128, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, logits_mup_width_multiplier=mup,
+        initializer_range=init, eos_token_id=None, bos_token_id=None, pad_token_id=PAD,
+        attn_implementation="eager")
+    return InklingForCausalLM(config).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+# ------------------------------------------------------------------------------------------------ stand-in drafter
+
+@dataclass
+class DraftResult:
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+
+
+class StandInDrafter:
+    """Follows the ``Drafter.draft`` protocol and records every row it is fed.
+
+    Greedy: proposes ``oracle[b][P]`` (the target's greedy token at real position P, from ``generate``) unless
+    ``wrong(b, P)``, then a different token. Sampling: samples from ``q_fn(history_b, P)`` ([V] per row).
+    """
+
+    def __init__(self, vocab, *, max_batch_size=8, max_length=64, oracle=None, wrong=lambda b, p: False,
+                 q_fn=None):
+        self.vocab, self.max_batch_size, self.max_length = vocab, max_batch_size, max_length
+        self.oracle, self.wrong, self.q_fn = oracle, wrong, q_fn
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.history: list[dict[int, int]] = []  # per row: real position -> token, from the rows fed
+
+    def draft(self, input_ids, positions, hidden, *, temperature=0.0, generator=None):
+        assert input_ids.shape == positions.shape and hidden.shape[:2] == positions.shape
+        assert input_ids.dtype == positions.dtype == torch.long
+        batch = positions.shape[0]
+        assert batch <= self.max_batch_size and int(positions.max()) < self.max_length
+        self.calls.append((input_ids.clone(), positions.clone(), hidden.clone()))
+        if not self.history:
+            self.history = [{} for _ in range(batch)]
+        for b in range(batch):
+            for tok, pos in zip(input_ids[b].tolist(), positions[b].tolist()):
+                if pos >= 0:
+                    self.history[b][pos + 1] = tok
+        want = (positions[:, -1] + 2).tolist()  # the position each draft is for
+        if temperature == 0.0:
+            tokens = []
+            for b, p in enumerate(want):
+                tok = self.oracle[b][p] if self.oracle is not None and p in self.oracle[b] else 3
+                tokens.append((tok + 1 + b) % self.vocab if self.wrong(b, p) else tok)
+            return DraftResult(torch.tensor(tokens), None)
+        q = torch.stack([self.q_fn(self.history[b], p) for b, p in enumerate(want)]).float()
+        tokens = torch.multinomial(q, 1, generator=generator).squeeze(1)
+        return DraftResult(tokens, q)
+
+    def check_rows(self, sequences, prompt_mask, target, eos=None):
+        """Every non-padding row fed must be (target hidden at P, committed token at P + 1) of the final output."""
+        batch, prompt_len = prompt_mask.shape
+        full_mask = torch.cat([prompt_mask, torch.ones(batch, sequences.shape[1] - prompt_len, dtype=torch.long)], 1)
+        ref_hidden = target.model(input_ids=sequences, attention_mask=full_mask).last_hidden_state
+        pad_left = (prompt_len - prompt_mask.sum(1)).tolist()
+        checked = 0
+        for ids, pos, hid in self.calls:
+            for b in range(ids.shape[0]):
+                for t in range(ids.shape[1]):
+                    p = int(pos[b, t])
+                    if p < 0:
+                        continue
+                    col = p + pad_left[b]
+                    assert int(ids[b, t]) == int(sequences[b, col + 1]), (b, p)
+                    torch.testing.assert_close(hid[b, t], ref_hidden[b, col], atol=2e-5, rtol=1e-4)
+                    checked += 1
+        return checked
+
+
+def random_prompts(rng: random.Random, n, lo, hi, vocab=120):
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def left_pad(prompts):
+    length = max(map(len, prompts))
+    ids = torch.full((len(prompts), length), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, length - len(p):] = torch.tensor(p)
+        mask[b, length - len(p):] = 1
+    return ids, mask
+
+
+def oracle_from(sequences, mask):
+    """Per row: real position -> token of a (generate) output."""
+    pad_left = (mask.shape[1] - mask.sum(1)).tolist()
+    return [{c - pad_left[b]: tok for c, tok in enumerate(sequences[b].tolist()) if c >= pad_left[b]}
+            for b in range(sequences.shape[0])]
+
+
+def wrong_pattern(rate_mod):
+    # deterministic, position-keyed: rejects ~2 of every `rate_mod` positions (0 = never, 1 = always)
+    if rate_mod == 0:
+        return lambda b, p: False
+    if rate_mod == 1:
+        return lambda b, p: True
+    return lambda b, p: (3 * p + 5 * b) % rate_mod in (0, 2)
+
+
+# --------------------------------------------------------------------------------------------------- greedy
+
+def _greedy_case(target, prompts, max_new, rate_mod, eos=None, pad=None):
+    ids, mask = left_pad(prompts)
+    gen_kwargs = {} if eos is None else dict(eos_token_id=eos, pad_token_id=pad)
+    reference = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, **gen_kwargs)
+    drafter = StandInDrafter(120, oracle=oracle_from(reference, mask), wrong=wrong_pattern(rate_mod))
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=max_new, eos_token_id=eos,
+                               pad_token_id=pad)
+    assert torch.equal(out.sequences, reference), (out.sequences[:, ids.shape[1]:], reference[:, ids.shape[1]:])
+    checked = drafter.check_rows(out.sequences, mask, target)
+    assert checked > 0 or (out.num_new_tokens == 1 and not drafter.calls)  # done after the prefill: no drafting
+    assert out.num_new_tokens == reference.shape[1] - ids.shape[1]
+    assert sum(out.emitted_per_round) + 1 == out.num_new_tokens
+    assert out.num_accepted == sum(out.accepted_per_round) <= out.num_drafted == sum(out.drafted_per_round)
+    return out
+
+
+def test_greedy_batch1_matches_generate(target):
+    rng = random.Random(0)
+    prompts = random_prompts(rng, 12, 1, 20)
+    accepted = drafted = 0
+    for i, prompt in enumerate(prompts):
+        out = _greedy_case(target, [prompt], 18, rate_mod=[0, 1, 5, 7][i % 4])
+        accepted += out.num_accepted
+        drafted += out.num_drafted
+        if i % 4 == 0:  # perfect drafts: all accepted, two tokens per verify round
+            assert out.acceptance_rate == 1.0 and out.mean_accepted_length > 1.8
+        if i % 4 == 1:  # always wrong: nothing accepted, one token per round
+            assert out.num_accepted == 0 and out.mean_accepted_length == 1.0
+    assert 0 < accepted < drafted
+
+
+def test_greedy_left_padded_batches_match_generate(target):
+    rng = random.Random(1)
+    saw_partial = False
+    for rate_mod in (0, 5, 7):
+        prompts = random_prompts(rng, 4, 1, 16)
+        out = _greedy_case(target, prompts, 16, rate_mod)
+        # lockstep: a round with some (not all) rows accepting emits one column
+        saw_partial |= any(0 < a < d for a, d in zip(out.accepted_per_round, out.drafted_per_round))
+    assert saw_partial
+
+
+def _first_eos_candidate(target, prompts, max_new):
+    """A token that the target emits mid-continuation for the first prompt (so EOS really occurs)."""
+    ids, mask = left_pad(prompts)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new)
+    return ref[0, ids.shape[1] + max_new // 3].item()
+
+
+def test_greedy_with_eos_matches_generate(target):
+    rng = random.Random(2)
+    prompts = random_prompts(rng, 4, 2, 12)
+    eos = _first_eos_candidate(target, prompts, 15)
+    out = _greedy_case(target, prompts, 15, rate_mod=7, eos=eos, pad=PAD)
+    assert (out.sequences[:, -out.num_new_tokens:] == eos).any()
+    out1 = _greedy_case(target, prompts[:1], 15, rate_mod=0, eos=eos, pad=PAD)  # batch 1 stops at EOS
+    assert out1.sequences[0, -1].item() == eos and out1.num_new_tokens < 15
+    first = out1.sequences[0, len(prompts[0])].item()  # EOS as the very first new token: stop after the prefill
+    out2 = _greedy_case(target, prompts[:1], 15, rate_mod=0, eos=[first, eos], pad=PAD)
+    assert out2.num_new_tokens == 1 and out2.num_rounds == 0
+
+
+def test_max_new_tokens_one_and_exact_length(target):
+    prompts = [[5, 6, 7], [8]]
+    out = _greedy_case(target, prompts, 1, rate_mod=0)
+    assert out.num_new_tokens == 1 and out.num_rounds == 0
+    for n in (2, 3, 4):  # all accepted: never emit a bonus column past max_new_tokens
+        assert _greedy_case(target, prompts, n, rate_mod=0).num_new_tokens == n
+
+
+def test_logits_identical_to_target_forward(target):
+    ids, mask = left_pad([[4, 5, 6, 7, 8, 9], [10, 11, 12]])
+    ref = target(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=target.config), use_cache=True)
+    hidden, logits = speculative._target_step(target, ids, mask, DynamicCache(config=target.config),
+                                              last_only=False)
+    assert torch.equal(logits, ref.logits.float()) and logits.shape[-1] == 120
+    _, last = speculative._target_step(target, ids, mask, DynamicCache(config=target.config), last_only=True)
+    ref_last = target(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+    assert torch.equal(last, ref_last.logits.float())
+
+
+# ------------------------------------------------------------------------------------------------ cache rollback
+
+def test_cache_after_rejection_matches_fresh_recompute(target, monkeypatch):
+    """Every verify forward (after crops of rejected rows, across the sliding window) equals a no-cache forward."""
+    recorded = []
+    original = speculative._target_step
+
+    def spy(tgt, input_ids, attention_mask, cache, *, last_only):
+        hidden, logits = original(tgt, input_ids, attention_mask, cache, last_only=last_only)
+        if not last_only:
+            recorded.append((input_ids.clone(), attention_mask.shape[1], logits.clone()))
+        return hidden, logits
+
+    monkeypatch.setattr(speculative, "_target_step", spy)
+    prompts = [[7, 8, 9, 10, 11, 12, 13], [20, 21, 22]]
+    ids, mask = left_pad(prompts)
+    reference = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    drafter = StandInDrafter(120, oracle=oracle_from(reference, mask), wrong=wrong_pattern(5))
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=20)
+    assert torch.equal(out.sequences, reference)
+    assert 1 in out.emitted_per_round[:-1] and 2 in out.emitted_per_round  # rejections followed by more rounds
+    assert len(recorded) == out.num_rounds and recorded[-1][1] > 8 + ids.shape[1] // 2  # past the window
+    full_mask = torch.cat([mask, torch.ones(2, out.num_new_tokens, dtype=torch.long)], 1)
+    for window, length, logits in recorded:
+        prefix = torch.cat([out.sequences[:, :length - 2], window], dim=1)
+        fresh = target(input_ids=prefix, attention_mask=full_mask[:, :length]).logits[:, -2:].float()
+        torch.testing.assert_close(logits, fresh, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------- sampling law
+
+def _top_p_reference(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Independent (loop) top-p: keep most probable tokens until their mass reaches top_p, renormalize."""
+    out = torch.zeros_like(probs)
+    for row, p in enumerate(probs):
+        mass = 0.0
+        for idx in sorted(range(len(p)), key=lambda i: -float(p[i])):
+            if mass >= top_p:
+                break
+            out[row, idx] = p[idx]
+            mass += float(p[idx])
+    return out / out.sum(-1, keepdim=True)
+
+
+def exact_three_token_law(target, prompt, temperature, top_p):
+    """P(x1, x2, x3 | prompt) [V, V, V] from no-cache target forwards."""
+    vocab = target.config.unpadded_vocab_size
+
+    def law(prefixes):
+        logits = target(input_ids=torch.tensor(prefixes)).logits[:, -1].float()
+        return _top_p_reference((logits / temperature).softmax(-1), top_p)
+
+    p1 = law([prompt])[0]
+    p2 = law([prompt + [a] for a in range(vocab)])
+    p3 = law([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab)
+    return p1[:, None, None] * p2[:, :, None] * p3, p2, p3
+
+
+def chi_square_pvalue(samples: torch.Tensor, law: torch.Tensor) -> float:
+    vocab = law.shape[0]
+    n = samples.shape[0]
+    cells = (samples[:, 0] * vocab + samples[:, 1]) * vocab + samples[:, 2]
+    observed = torch.bincount(cells, minlength=law.numel()).double()
+    expected = law.reshape(-1).double() * n
+    if observed[expected == 0].sum() > 0:  # a sample outside the target's support (e.g. top-p removed it)
+        return 0.0
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = (((obs - exp) ** 2)[keep] / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target():
+    return make_target(vocab=8, unpadded=6, hidden=32, mlp=("dense", "dense"), seed=3, init=0.3, mup=1.0)
+
+
+def _wrong_q(vocab):
+    gen = torch.Generator().manual_seed(11)
+    table = torch.randn(vocab, vocab, generator=gen) * 2.0
+    return lambda history, pos: table[history[pos - 1]].softmax(-1)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.75)])
+def test_sampling_matches_target_distribution(small_vocab_target, temperature, top_p, monkeypatch):
+    target = small_vocab_target
+    vocab = 6
+    prompt = [1, 4, 2, 5]
+    law, p2, p3 = exact_three_token_law(target, prompt, temperature, top_p)
+    wrong = _wrong_q(vocab)
+    start = len(prompt) + 1  # real position of x2
+
+    def exact_q(history, pos):  # q = p: every draft accepted -> the bonus path emits x3
+        return p2[history[pos - 1]] if pos == start else p3[history[pos - 2], history[pos - 1]]
+
+    def mixed_q(history, pos):  # q != p: accept/reject + residual resampling; lockstep drops the bonus
+        return 0.5 * exact_q(history, pos) + 0.5 * wrong(history, pos)
+
+    def run(q_fn, batch, seed):
+        ids = torch.tensor([prompt] * batch)
+        drafter = StandInDrafter(vocab, max_batch_size=batch, q_fn=q_fn)
+        gen = torch.Generator().manual_seed(seed)
+        out = speculative_generate(target, drafter, ids, max_new_tokens=3, temperature=temperature, top_p=top_p,
+                                   generator=gen)
+        return out, out.sequences[:, len(prompt):]
+
+    out, samples = run(mixed_q, 6000, 0)
+    assert 0.2 < out.acceptance_rate < 0.95 and out.emitted_per_round == [1, 1]
+    assert chi_square_pvalue(samples, law) > 1e-3
+
+    out, samples = run(exact_q, 3000, 1)
+    assert out.acceptance_rate > 0.99 and out.emitted_per_round == [2]  # x3 is the bonus token
+    assert chi_square_pvalue(samples, law) > 1e-3
+
+    # Batch of 2, many calls: acceptance is random per row and the bonus is kept only when both accept.
+    samples, kept_bonus = [], 0
+    for seed in range(250):
+        out, s = run(mixed_q, 2, 100 + seed)
+        samples.append(s)
+        kept_bonus += out.emitted_per_round[0] == 2
+    assert 0 < kept_bonus < 250
+    assert chi_square_pvalue(torch.cat(samples), law) > 1e-3
+
+    # The test can fail: a wrong acceptance rule (always accept the draft) is detected by the same bound.
+    monkeypatch.setattr(speculative, "_accept_mask", lambda p_d, q_d, u: torch.ones_like(p_d, dtype=torch.bool))
+    _, samples = run(mixed_q, 6000, 0)
+    assert chi_square_pvalue(samples, law) < 1e-6
+
+
+def test_target_distribution_top_p_matches_reference():
+    logits = torch.randn(50, 9, generator=torch.Generator().manual_seed(5)) * 2
+    for top_p in (0.3, 0.75, 0.95, 1.0):
+        ref = _top_p_reference((logits / 0.8).softmax(-1), top_p)
+        torch.testing.assert_close(target_distribution(logits, 0.8, top_p), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_residual_sampling_exact():
+    """One verification step in isolation: P(token) = p for a fixed q over many independent rows."""
+    gen = torch.Generator().manual_seed(9)
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0])
+    q = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1])
+    n = 200_000
+    draft = torch.multinomial(q, n, replacement=True, generator=gen)
+    accepted, token = speculative._verify_sampled(p.expand(n, -1), q.expand(n, -1), draft, gen)
+    freq = torch.bincount(token, minlength=5).double() / n
+    assert (freq - p.double()).abs().max() < 4e-3
+    assert abs(accepted.double().mean().item() - torch.minimum(p, q).sum().item()) < 4e-3
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+class ExplodingDrafter(StandInDrafter):
+    def draft(self, *args, **kwargs):
+        raise AssertionError("drafter called")
+
+
+@pytest.mark.parametrize("case,match", [
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
+    (dict(max_new_tokens=-3), "max_new_tokens must be a positive int"),
+    (dict(prompt_len=13), "prompt of 13 tokens is longer than the drafter's max_length 12"),
+    (dict(prompt_len=8, max_new_tokens=6), r"prompt of 8 tokens \+ max_new_tokens 6 - 1 exceeds"),
+    (dict(batch=3), "batch size 3 exceeds the drafter's max_batch_size 2"),
+    (dict(right_padded=True), "left-padded"),
+    (dict(temperature=-1.0), "temperature must be"),
+    (dict(top_p=0.0), "top_p must be in"),
+])
+def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, match):
+    def boom(*args, **kwargs):
+        raise AssertionError("target called")
+
+    monkeypatch.setattr(speculative, "_target_step", boom)
+    batch, prompt_len = case.get("batch", 1), case.get("prompt_len", 4)
+    ids = torch.randint(1, 100, (batch, prompt_len))
+    mask = torch.ones_like(ids)
+    if case.get("right_padded"):
+        mask[:, -1] = 0
+    drafter = ExplodingDrafter(120, max_batch_size=2, max_length=12)
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(target, drafter, ids, mask, max_new_tokens=case.get("max_new_tokens", 3),
+                             temperature=case.get("temperature", 0.0), top_p=case.get("top_p", 1.0))
+
+
+# ------------------------------------------------------------------------- real drafter, synthetic checkpoint, CLI
+
+def test_real_drafter_with_conditional_generation_target():
+    """End to end with the lead's Drafter (eager) on the tiny synthetic checkpoint (multimodal target, text only)."""
+    synthetic = pytest.importorskip("inkling_compiled.synthetic")
+    from inkling_compiled import InklingMTP
+    from inkling_compiled.runtime.drafter import Drafter
+
+    path = synthetic.cached_checkpoint("tiny")
+    target = synthetic.load_hf_target(path)
+    drafter = Drafter(InklingMTP.from_pretrained(path, target=target), max_batch_size=4, max_length=32,
+                      compile=False)
+    ids, mask = left_pad(random_prompts(random.Random(4), 3, 3, 10, vocab=500))
+    eos, pad = target.generation_config.eos_token_id, target.generation_config.pad_token_id
+    reference = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=pad)
+    assert torch.equal(out.sequences, reference)
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=12, temperature=0.8, top_p=0.9,
+                               generator=torch.Generator().manual_seed(0))
+    assert out.sequences.shape[1] <= ids.shape[1] + 12 and int(out.sequences.max()) < 500
+    assert out.num_drafted == sum(out.drafted_per_round) > 0
+
+
+def test_cli_smoke(capsys):
+    pytest.importorskip("inkling_compiled.synthetic")
+    from inkling_compiled.generate import main
+
+    code = main(["--no-compile", "--no-warmup", "--check", "--batch", "2", "--ragged", "--prompt-len", "6",
+                 "--max-new-tokens", "5", "--ignore-eos"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "greedy generate() match: True" in printed and "acceptance rate" in printed
