@@ -63,8 +63,9 @@ def locate_tensors(path: str | os.PathLike) -> dict[str, str]:
     if index.is_file():
         with open(index) as f:
             weight_map = json.load(f).get("weight_map", {})
-        if not any(k.startswith(MTP_PREFIX) for k in weight_map) and (path / MTP_FILE).is_file():
-            weight_map = {**weight_map, **_keys_of(path / MTP_FILE)}  # an index written for the target alone
+        if (path / MTP_FILE).is_file():  # the MTP shard's own header is authoritative for what it holds (an index
+            # written for the target alone lists none of it; a stale one may list too much or too little)
+            weight_map = {**{k: v for k, v in weight_map.items() if v != MTP_FILE}, **_keys_of(path / MTP_FILE)}
         return {k: str(path / v) for k, v in weight_map.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -103,7 +104,7 @@ def load_mtp(path: str | os.PathLike, *, dtype: torch.dtype | None = None, devic
         if dtype is not None and dtype != t_dtype:
             raise CheckpointError(f"dtype={dtype} requested, but the target's shared tensors are {t_dtype} "
                                   "(sharing without copies needs the target's dtype)")
-        if device is not None and torch.device(device) != t_device:
+        if device is not None and not _same_device(torch.device(device), t_device):
             raise CheckpointError(f"device={device} requested, but the target lives on {t_device}")
         dtype, device = t_dtype, t_device
     device = torch.device(device if device is not None else "cpu")
@@ -120,7 +121,15 @@ def load_mtp(path: str | os.PathLike, *, dtype: torch.dtype | None = None, devic
     if shared is not None:
         state.update(shared)
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+    for name, p in model.named_parameters():
+        if shared is None or name not in shared:  # the target's own Parameters keep their requires_grad
+            p.requires_grad_(False)
+    return model.eval()
+
+
+def _same_device(requested: torch.device, actual: torch.device) -> bool:
+    """``"cuda"`` (no index) matches any CUDA device; an explicit index must match."""
+    return requested.type == actual.type and (requested.index is None or requested.index == actual.index)
 
 
 def _validate_keys(located: dict[str, str], wanted: dict[str, tuple[str, torch.Size]], config: MTPConfig,
@@ -131,15 +140,22 @@ def _validate_keys(located: dict[str, str], wanted: dict[str, tuple[str, torch.S
         problems.append(f"{chain_key} is present but chain_hidden_post_norm is false in the config "
                         "(set mtp_config.chain_hidden_post_norm=true to use it, or remove the tensor)")
     skipped = tuple(f"{MTP_PREFIX}layers.{i}." for i in range(config.num_depths, total_depths))
-    missing = sorted(k for k in wanted if k not in located)
+    # keys the index names in a file that is absent or does not hold them count as missing
+    groups = _group_by_file(located, [k for k in wanted if k in located])
+    absent_files = sorted(os.path.basename(f) for f in groups if not os.path.isfile(f))
+    file_keys = {f: set(_keys_of(Path(f))) for f in groups if os.path.isfile(f)}
+    present = {k for f, keys in file_keys.items() for k in groups[f] if k in keys}
+    missing = sorted(k for k in wanted if k not in present)
     unexpected = sorted(k for k in located if k.startswith(MTP_PREFIX) and k not in wanted
                         and k != chain_key and not k.startswith(skipped))
     if missing:
         problems.append(f"missing {len(missing)} tensor(s): {missing}")
+    if absent_files:
+        problems.append(f"files named in {INDEX_FILE} do not exist: {absent_files}")
     if unexpected:
         problems.append(f"unexpected {len(unexpected)} tensor(s) under {MTP_PREFIX}: {unexpected}")
     mis_shaped = []
-    for file, keys in _group_by_file(located, [k for k in wanted if k in located]).items():
+    for file, keys in _group_by_file(located, sorted(present)).items():
         with safe_open(file, framework="pt") as f:
             for k in keys:
                 got = tuple(f.get_slice(k).get_shape())
@@ -224,14 +240,17 @@ def save_mtp(model: InklingMTP, path: str | os.PathLike, *, include_shared: bool
     if include_shared:
         save_file(shared, str(path / SHARED_FILE), metadata={"format": "pt"})
     with open(path / "config.json", "w") as f:
-        json.dump(_config_with_depths(model.config), f, indent=2)
+        json.dump(_config_with_depths(model.config, model.dtype), f, indent=2)
 
 
-def _config_with_depths(config: MTPConfig) -> dict:
-    """The config.json the model was loaded from, with its MTP depth count set to the depths actually held."""
+def _config_with_depths(config: MTPConfig, dtype: torch.dtype) -> dict:
+    """The config.json the model was loaded from, with its depth count and dtype set to what is actually saved."""
     raw = copy.deepcopy(config.raw)
     n = config.num_depths
     text = raw.get("text_config", raw)
+    for section in {id(raw): raw, id(text): text}.values():
+        if "dtype" in section:
+            section["dtype"] = str(dtype).removeprefix("torch.")
     if text.get("num_mtp_layers") is not None:
         text["num_mtp_layers"] = n
     if text.get("mtp_local_layer_ids") is not None:

@@ -7,6 +7,7 @@ rejects values this implementation does not support with a message naming the fi
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ class MTPConfig:
         n = text.num_mtp_layers
         if not n or n < 1:
             raise ConfigError(
-                f"config has no MTP depths (num_mtp_layers={n!r}; mtp_config.num_nextn_predict_layers unset)"
+                f"config has no MTP depths (num_mtp_layers={n!r}; mtp_config.num_nextn_predict_layers must be >= 1)"
             )
         local = list(text.mtp_local_layer_ids or [])
         bad = [i for i in local if not 0 <= i < n]
@@ -115,6 +116,8 @@ def _depth_geometry(text: InklingTextConfig, sliding: bool, mtp_log_scaling: boo
     else:
         heads, kv, dim = text.num_attention_heads, text.num_key_value_heads, text.head_dim
         window, extent = None, text.rel_extent
+    if kv < 1:
+        raise ConfigError(f"{'swa_' if sliding else ''}num_key_value_heads must be >= 1, got {kv}")
     if heads % kv:
         raise ConfigError(f"{'swa_' if sliding else ''}num_attention_heads={heads} is not a multiple of kv heads={kv}")
     return DepthGeometry(
@@ -136,10 +139,12 @@ def read_config_json(path: str | os.PathLike) -> tuple[InklingConfig | InklingTe
     with open(file) as f:
         raw = json.load(f)
     model_type = raw.get("model_type")
+    # from_dict writes the promoted mtp_config fields into the nested text_config dict: parse a copy, so that
+    # `raw` stays the file as read
     if model_type == InklingConfig.model_type:
-        return InklingConfig.from_dict(raw), raw
+        return InklingConfig.from_dict(copy.deepcopy(raw)), raw
     if model_type == InklingTextConfig.model_type:
-        return InklingTextConfig.from_dict(raw), raw
+        return InklingTextConfig.from_dict(copy.deepcopy(raw)), raw
     raise ConfigError(
         f"{file}: model_type {model_type!r} is not an Inkling config "
         f"(expected {InklingConfig.model_type!r} or {InklingTextConfig.model_type!r})"

@@ -126,8 +126,8 @@ class InklingMTP(nn.Module):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         _check_tensor("positions", positions, ndim=2, integer=True, device=self.device)
         batch, seq = positions.shape
-        if seq == 0:
-            raise ValueError("positions has no rows (T = 0)")
+        if batch == 0 or seq == 0:
+            raise ValueError(f"positions has no rows (shape {tuple(positions.shape)}): need B >= 1 and T >= 1")
         if input_ids is not None:
             _check_tensor("input_ids", input_ids, ndim=2, integer=True, device=self.device, shape=(batch, seq))
             lo, hi = int(input_ids.min()), int(input_ids.max())

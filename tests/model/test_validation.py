@@ -1,0 +1,326 @@
+"""Input validation of ``InklingMTP.forward`` and ``Drafter.draft``: every bad id, shape, dtype, device, position,
+batch, depth or cache is refused with a ValueError that names the problem, before anything is computed or written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inkling_compiled.runtime.drafter import Drafter
+
+from tests.helpers import random_mtp
+
+B, T, MAX_LEN = 2, 3, 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_mtp()  # H 64, vocab 256 (250 unpadded), 2 depths, fp32
+
+
+@pytest.fixture
+def drafter(model):
+    return Drafter(model, max_batch_size=B, max_length=MAX_LEN, compile=False)
+
+
+@pytest.fixture
+def inputs(model):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.logits_vocab_size, (B, T), generator=gen)
+    positions = torch.arange(T).expand(B, T).clone()
+    hidden = torch.randn(B, T, model.config.hidden_size, generator=gen)
+    return ids, positions, hidden
+
+
+def _run(kind, model, drafter, ids, positions, hidden, **kwargs):
+    if kind == "forward":
+        cache = kwargs.pop("cache", model.new_cache(B, MAX_LEN))
+        return model(ids, positions, hidden, cache=cache, **kwargs)
+    return drafter.draft(ids, positions, hidden)
+
+
+BOTH = pytest.mark.parametrize("kind", ["forward", "drafter"])
+
+
+def test_sizes(model):
+    assert (model.config.vocab_size, model.config.logits_vocab_size, model.config.hidden_size) == (256, 250, 64)
+
+
+@BOTH
+def test_valid_inputs_pass(kind, model, drafter, inputs):
+    _run(kind, model, drafter, *inputs)
+
+
+# ------------------------------------------------------------------------------------------------ token ids
+
+
+@BOTH
+@pytest.mark.parametrize("bad", [-1, -100])
+def test_negative_token_id(kind, model, drafter, inputs, bad):
+    ids, positions, hidden = inputs
+    ids = ids.clone()
+    ids[1, 2] = bad
+    with pytest.raises(ValueError, match=rf"token id {bad} out of range: ids must be in \[0, 256\)"):
+        _run(kind, model, drafter, ids, positions, hidden)
+
+
+@BOTH
+@pytest.mark.parametrize("bad", [256, 10_000])
+def test_token_id_past_padded_vocab(kind, model, drafter, inputs, bad):
+    ids, positions, hidden = inputs
+    ids = ids.clone()
+    ids[0, 0] = bad
+    with pytest.raises(ValueError, match=rf"token id {bad} out of range: ids must be in \[0, 256\)"):
+        _run(kind, model, drafter, ids, positions, hidden)
+
+
+@BOTH
+@pytest.mark.parametrize("token", [250, 255])
+def test_token_id_between_unpadded_and_padded_vocab_is_valid(kind, model, drafter, inputs, token):
+    ids, positions, hidden = inputs
+    out = _run(kind, model, drafter, torch.full_like(ids, token), positions, hidden)
+    if kind == "drafter":
+        assert (out.tokens < model.config.logits_vocab_size).all()  # drafts stay in the unpadded vocab
+    else:
+        assert torch.isfinite(out).all()
+
+
+@BOTH
+def test_int32_ids_are_accepted(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    _run(kind, model, drafter, ids.int(), positions.int(), hidden)
+
+
+# ------------------------------------------------------------------------------------------------ shapes
+
+
+@BOTH
+def test_one_dimensional_ids(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"input_ids must have 2 dims, got shape \(3,\)"):
+        _run(kind, model, drafter, ids[0], positions, hidden)
+
+
+def test_one_dimensional_positions_forward(model, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"positions must have 2 dims, got shape \(3,\)"):
+        model(ids, positions[0], hidden)
+
+
+def test_one_dimensional_positions_drafter(drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"positions must be a \[batch, rows\] tensor, got \(3,\)"):
+        drafter.draft(ids, positions[0], hidden)
+
+
+def test_positions_not_a_tensor_drafter(drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"positions must be a \[batch, rows\] tensor, got list"):
+        drafter.draft(ids, positions.tolist(), hidden)
+
+
+def test_hidden_not_a_tensor(model, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"previous_hidden must be a torch\.Tensor, got list"):
+        model(ids, positions, hidden.tolist())
+
+
+@BOTH
+def test_hidden_wrong_width(kind, model, drafter, inputs):
+    ids, positions, _ = inputs
+    with pytest.raises(ValueError, match=r"previous_hidden has shape \(2, 3, 65\), expected \(2, 3, 64\)"):
+        _run(kind, model, drafter, ids, positions, torch.randn(B, T, 65))
+
+
+@BOTH
+def test_hidden_two_dimensional(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"previous_hidden must have 3 dims, got shape \(2, 64\)"):
+        _run(kind, model, drafter, ids, positions, hidden[:, 0])
+
+
+@BOTH
+def test_ids_rows_mismatch(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"input_ids has shape \(2, 2\), expected \(2, 3\)"):
+        _run(kind, model, drafter, ids[:, :2], positions, hidden)
+
+
+@BOTH
+def test_hidden_rows_mismatch(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"previous_hidden has shape \(2, 4, 64\), expected \(2, 3, 64\)"):
+        _run(kind, model, drafter, ids, positions, torch.randn(B, T + 1, 64))
+
+
+@BOTH
+def test_batch_mismatch(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"previous_hidden has shape \(1, 3, 64\), expected \(2, 3, 64\)"):
+        _run(kind, model, drafter, ids, positions, hidden[:1])
+
+
+@BOTH
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)])
+def test_no_rows(kind, model, drafter, shape):
+    ids = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"positions has no rows \(shape \({shape[0]}, {shape[1]}\)\)"):
+        _run(kind, model, drafter, ids, ids.clone(), torch.zeros(*shape, 64))
+
+
+# ------------------------------------------------------------------------------------------------ dtypes, devices
+
+
+@BOTH
+def test_float_ids(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"input_ids must be an integer tensor, got torch\.float32"):
+        _run(kind, model, drafter, ids.float(), positions, hidden)
+
+
+@BOTH
+def test_bool_ids(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"input_ids must be an integer tensor, got torch\.bool"):
+        _run(kind, model, drafter, ids.bool(), positions, hidden)
+
+
+@BOTH
+def test_float_positions(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"positions must be an integer tensor, got torch\.float32"):
+        _run(kind, model, drafter, ids, positions.float(), hidden)
+
+
+@BOTH
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_hidden_wrong_dtype(kind, model, drafter, inputs, dtype):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=rf"previous_hidden has dtype {dtype}, the model runs in torch\.float32"):
+        _run(kind, model, drafter, ids, positions, hidden.to(dtype))
+
+
+@BOTH
+@pytest.mark.parametrize("which", ["input_ids", "positions", "previous_hidden"])
+def test_meta_tensor(kind, model, drafter, inputs, which):
+    args = dict(zip(["input_ids", "positions", "previous_hidden"], inputs))
+    args[which] = torch.empty(args[which].shape, dtype=args[which].dtype, device="meta")
+    with pytest.raises(ValueError, match=rf"{which} is on meta, the model on cpu"):
+        _run(kind, model, drafter, *args.values())
+
+
+# ------------------------------------------------------------------------------------------------ positions, batch
+
+
+def test_position_past_cache_forward(model, inputs):
+    ids, positions, hidden = inputs
+    cache = model.new_cache(B, MAX_LEN)
+    model(ids, positions + MAX_LEN - T, hidden, cache=cache)  # last real slot
+    model(ids, torch.full_like(positions, cache.pad_position), hidden, cache=cache)  # padding rows
+    with pytest.raises(ValueError, match=rf"position {MAX_LEN + 1} is past the cache capacity: max_length is "
+                                         rf"{MAX_LEN} \(positions 0\.\.{MAX_LEN - 1}; {MAX_LEN} marks padding rows\)"):
+        model(ids, positions + MAX_LEN - 1, hidden, cache=cache)
+
+
+def test_position_past_cache_drafter(drafter, inputs):
+    ids, positions, hidden = inputs
+    drafter.draft(ids, positions + MAX_LEN - T, hidden)
+    with pytest.raises(ValueError, match=rf"position {MAX_LEN} is past the cache capacity \(max_length {MAX_LEN}\)"):
+        drafter.draft(ids, positions + MAX_LEN - T + 1, hidden)
+
+
+def test_positions_are_unbounded_without_cache(model, inputs):
+    ids, positions, hidden = inputs
+    model(ids, positions + 10_000, hidden)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_negative_position_forward(model, inputs, cached):
+    ids, positions, hidden = inputs
+    positions = positions.clone()
+    positions[0, 0] = -1
+    cache = model.new_cache(B, MAX_LEN) if cached else None
+    with pytest.raises(ValueError, match=r"position -1 is negative"):
+        model(ids, positions, hidden, cache=cache)
+
+
+def test_negative_position_is_padding_for_drafter(drafter, inputs):
+    ids, positions, hidden = inputs
+    padded = positions.clone()
+    padded[0, 0] = -1
+    assert torch.equal(drafter.draft(ids, padded, hidden).tokens[0], drafter.draft(ids[:, 1:], positions[:, 1:],
+                                                                                   hidden[:, 1:]).tokens[0])
+
+
+def test_batch_larger_than_cache_forward(model):
+    ids = torch.zeros(B + 1, T, dtype=torch.long)
+    positions = torch.arange(T).expand(B + 1, T)
+    with pytest.raises(ValueError, match=rf"batch of {B + 1} sequences exceeds the cache's batch_size {B}"):
+        model(ids, positions, torch.zeros(B + 1, T, 64), cache=model.new_cache(B, MAX_LEN))
+
+
+def test_batch_larger_than_drafter(drafter):
+    ids = torch.zeros(B + 1, T, dtype=torch.long)
+    positions = torch.arange(T).expand(B + 1, T)
+    with pytest.raises(ValueError, match=rf"batch of {B + 1} sequences exceeds the drafter's max_batch_size {B}"):
+        drafter.draft(ids, positions, torch.zeros(B + 1, T, 64))
+
+
+# ------------------------------------------------------------------------------------------------ forward-only arguments
+
+
+@pytest.mark.parametrize("depth", [2, -1, 100])
+def test_depth_out_of_range(model, inputs, depth):
+    with pytest.raises(ValueError, match=rf"depth {depth} out of range: this model has 2 MTP depth\(s\)"):
+        model(*inputs, depth=depth)
+
+
+def test_both_ids_and_embeds(model, inputs):
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match="pass exactly one of input_ids and inputs_embeds"):
+        model(ids, positions, hidden, inputs_embeds=hidden)
+
+
+def test_neither_ids_nor_embeds(model, inputs):
+    _, positions, hidden = inputs
+    with pytest.raises(ValueError, match="pass exactly one of input_ids and inputs_embeds"):
+        model(None, positions, hidden)
+
+
+def test_inputs_embeds_checked(model, inputs):
+    _, positions, hidden = inputs
+    model(None, positions, hidden, inputs_embeds=hidden)
+    with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 3, 32\), expected \(2, 3, 64\)"):
+        model(None, positions, hidden, inputs_embeds=hidden[..., :32])
+    with pytest.raises(ValueError, match=r"inputs_embeds has dtype torch\.float64, the model runs in torch\.float32"):
+        model(None, positions, hidden, inputs_embeds=hidden.double())
+
+
+def test_cache_of_another_dtype(model, inputs):
+    cache = random_mtp(dtype=torch.bfloat16).new_cache(B, MAX_LEN)
+    with pytest.raises(ValueError, match=r"cache is torch\.bfloat16 on cpu, the model torch\.float32 on cpu"):
+        model(*inputs, cache=cache)
+
+
+def test_cache_with_other_depth_count(model, inputs):
+    from tests.helpers import tiny_text_config
+
+    cache = random_mtp(tiny_text_config(num_mtp_layers=1)).new_cache(B, MAX_LEN)
+    with pytest.raises(ValueError, match=r"cache has 1 depth\(s\), the model 2"):
+        model(*inputs, cache=cache)
+
+
+# ------------------------------------------------------------------------------------------------ nothing written
+
+
+def test_refused_call_leaves_the_cache_untouched(model, drafter, inputs):
+    ids, positions, hidden = inputs
+    bad = ids.clone()
+    bad[0, 0] = 256
+    cache = model.new_cache(B, MAX_LEN)
+    with pytest.raises(ValueError):
+        model(bad, positions, hidden, cache=cache)
+    with pytest.raises(ValueError):
+        drafter.draft(bad, positions, hidden)
+    for c in (cache, drafter.cache):
+        assert not any(t.any() for d in c.depths for t in d.tensors())

@@ -1,0 +1,186 @@
+"""The MTP view of an Inkling config (spec §2): per-depth geometry, field aliases, and clear errors for values the
+draft head cannot be built from."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from transformers import InklingConfig, InklingTextConfig, LlamaConfig
+
+from inkling_compiled import ConfigError, MTPConfig
+from inkling_compiled import synthetic as S
+from inkling_compiled.config import read_config_json
+
+from tests.helpers import tiny_text_config
+
+
+def _mm(**overrides) -> InklingConfig:
+    return InklingConfig.from_dict(S.tiny_config(**overrides))
+
+
+def _text_dict(mm: dict) -> dict:
+    """The bare ``inkling_text`` form of an ``inkling_mm_model`` dict (MTP fields under their HF names)."""
+    text = dict(mm["text_config"])
+    text.update(num_mtp_layers=mm["mtp_config"]["num_nextn_predict_layers"],
+                mtp_local_layer_ids=mm["mtp_config"]["local_layer_ids"],
+                chain_hidden_post_norm=mm["mtp_config"]["chain_hidden_post_norm"])
+    return text
+
+
+# ------------------------------------------------------------------------------------------------ geometry
+
+
+def test_tiny_geometry_sliding_and_full_depths():
+    c = MTPConfig.from_hf(_mm())
+    assert c.num_depths == 2
+    assert (c.hidden_size, c.vocab_size, c.logits_vocab_size) == (64, 512, 500)
+    assert (c.intermediate_size, c.conv_kernel_size, c.d_rel, c.hidden_act) == (128, 4, 16, "silu")  # ckpt aliases
+    assert c.mup == 24.0 and not c.chain_hidden_post_norm and c.hidden_states_first
+    sliding, full = c.depths
+    assert sliding.sliding and sliding.window == 8 and sliding.rel_extent == 8  # a sliding depth's extent is W
+    assert not full.sliding and full.window is None and full.rel_extent == 16
+    assert not any(d.log_scaling for d in c.depths)
+
+
+def test_full_size_geometry_matches_spec_table():
+    c = MTPConfig.from_hf(InklingConfig.from_dict(S.full_config()))
+    assert [d.sliding for d in c.depths] == [True, False, True, False, True, True, True, True]
+    for d in c.depths:
+        assert (d.num_heads, d.head_dim) == (64, 128)
+        assert (d.num_kv_heads, d.window, d.rel_extent) == ((16, 512, 512) if d.sliding else (8, None, 1024))
+    assert (c.hidden_size, c.intermediate_size) == (6144, 24576)
+    assert (c.vocab_size, c.logits_vocab_size) == (201024, 200058)
+
+
+def test_mtp_local_layer_ids_replace_the_trunks():
+    # 4 trunk layers are local at 0 and 2; the MTP's own local ids (1, 3) decide the draft's sliding depths
+    c = MTPConfig.from_hf(_mm(num_mtp_layers=4, local_layer_ids=(1, 3)))
+    assert [d.sliding for d in c.depths] == [False, True, False, True]
+
+
+def test_bare_text_config_equals_multimodal_config():
+    mm = S.tiny_config()
+    assert MTPConfig.from_hf(InklingTextConfig.from_dict(_text_dict(mm))) == MTPConfig.from_hf(
+        InklingConfig.from_dict(mm))
+
+
+def test_log_scaling_only_on_full_depths_and_only_when_asked():
+    text = tiny_text_config(log_scaling_n_floor=4)
+    assert [d.log_scaling for d in MTPConfig.from_hf(text).depths] == [False, False]
+    assert [d.log_scaling for d in MTPConfig.from_hf(text, mtp_log_scaling=True).depths] == [False, True]
+    no_floor = tiny_text_config(log_scaling_n_floor=None)
+    assert not any(d.log_scaling for d in MTPConfig.from_hf(no_floor, mtp_log_scaling=True).depths)
+
+
+def test_unpadded_vocab_defaults_to_vocab():
+    c = MTPConfig.from_hf(tiny_text_config(unpadded_vocab_size=None))
+    assert c.logits_vocab_size == c.vocab_size == 256
+
+
+def test_config_is_frozen_and_keeps_raw():
+    raw = S.tiny_config()
+    c = MTPConfig.from_hf(InklingConfig.from_dict(raw), raw=raw)
+    assert c.raw is raw
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.hidden_size = 1
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_unsupported_activation():
+    with pytest.raises(ConfigError, match=r"unsupported hidden_act 'relu2'; supported: \('silu'"):
+        MTPConfig.from_hf(tiny_text_config(hidden_act="relu2"))
+
+
+@pytest.mark.parametrize("n", [None, 0])
+def test_no_mtp_layers(n):
+    with pytest.raises(ConfigError, match=rf"config has no MTP depths \(num_mtp_layers={n}"):
+        MTPConfig.from_hf(tiny_text_config(num_mtp_layers=n, mtp_local_layer_ids=None))
+
+
+def test_no_mtp_config_in_multimodal_config():
+    raw = S.tiny_config()
+    del raw["mtp_config"]
+    with pytest.raises(ConfigError, match=r"config has no MTP depths \(num_mtp_layers=None"):
+        MTPConfig.from_hf(InklingConfig.from_dict(raw))
+
+
+@pytest.mark.parametrize("ids, bad", [([0, 2], [2]), ([-1], [-1]), ([0, 5, 1], [5])])
+def test_local_layer_ids_out_of_range(ids, bad):
+    with pytest.raises(ConfigError, match=rf"mtp_local_layer_ids {bad} out of range for 2 MTP depths".replace(
+            "[", r"\[").replace("]", r"\]")):
+        MTPConfig.from_hf(tiny_text_config(mtp_local_layer_ids=ids))
+
+
+@pytest.mark.parametrize("mup", [0.0, -24.0])
+def test_non_positive_mup(mup):
+    with pytest.raises(ConfigError, match=rf"logits_mup_width_multiplier must be positive, got {mup}"):
+        MTPConfig.from_hf(tiny_text_config(logits_mup_width_multiplier=mup))
+
+
+@pytest.mark.parametrize("unpadded", [257, 0])
+def test_unpadded_vocab_out_of_range(unpadded):
+    with pytest.raises(ConfigError, match=rf"unpadded_vocab_size {unpadded} must be in \(0, vocab_size=256\]"):
+        MTPConfig.from_hf(tiny_text_config(unpadded_vocab_size=unpadded))
+
+
+def test_softcapping_rejected():
+    text = tiny_text_config()
+    text.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="final_logit_softcapping is not supported"):
+        MTPConfig.from_hf(text)
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(num_attention_heads=3, num_key_value_heads=2), "num_attention_heads=3"),
+    (dict(swa_num_attention_heads=3, swa_num_key_value_heads=2), "swa_num_attention_heads=3"),
+])
+def test_heads_not_multiple_of_kv_heads(fields, name):
+    with pytest.raises(ConfigError, match=rf"^{name} is not a multiple of kv heads=2"):
+        MTPConfig.from_hf(tiny_text_config(**fields))
+
+
+@pytest.mark.parametrize("prefix", ["", "swa_"])
+def test_zero_kv_heads(prefix):
+    with pytest.raises(ConfigError, match=rf"^{prefix}num_key_value_heads must be >= 1, got 0"):
+        MTPConfig.from_hf(tiny_text_config(**{f"{prefix}num_key_value_heads": 0}))
+
+
+def test_non_inkling_config():
+    with pytest.raises(ConfigError, match="expected an InklingConfig or InklingTextConfig, got LlamaConfig"):
+        MTPConfig.from_hf(LlamaConfig())
+
+
+# ------------------------------------------------------------------------------------------------ config.json
+
+
+def _write(tmp_path, raw: dict):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def test_read_config_json_multimodal_and_text(tmp_path):
+    mm = S.tiny_config()
+    config, raw = read_config_json(_write(tmp_path, mm))
+    assert isinstance(config, InklingConfig) and raw == mm
+    assert config.text_config.num_mtp_layers == 2 and config.text_config.mtp_local_layer_ids == [0]
+    text = {"model_type": "inkling_text", **_text_dict(mm)}
+    config, raw = read_config_json(_write(tmp_path, text))
+    assert type(config) is InklingTextConfig and config.num_mtp_layers == 2 and raw == text
+
+
+def test_read_config_json_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json in .*"):
+        read_config_json(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", None])
+def test_read_config_json_wrong_model_type(tmp_path, model_type):
+    raw = S.tiny_config()
+    raw["model_type"] = model_type
+    with pytest.raises(ConfigError, match=rf"model_type {model_type!r} is not an Inkling config \(expected "
+                                          r"'inkling_mm_model' or 'inkling_text'\)"):
+        read_config_json(_write(tmp_path, raw))
