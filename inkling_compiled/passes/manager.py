@@ -1,0 +1,234 @@
+"""The one object Inductor sees: ordered pattern-matcher sub-passes behind a single ``CustomGraphPass``.
+
+Each fusion module (``draft_input``, ``mup_head``) describes its rewrites as :class:`Fusion` objects: a name, a
+``PatternMatcherPass``, the function that fills it, and the source files its behaviour depends on. The
+:class:`PassManager` runs them in order on the post-grad graph, counts matches per fusion, and derives its
+``uuid()`` from the hash of those files, so Inductor's FX graph cache keys on the pass source instead of bypassing
+the cache. Patterns are traced lazily, on the first graph the manager sees (or :meth:`PassManager.ensure_registered`),
+so importing the package costs no tracing.
+
+:class:`ChainedPass` lets the manager share ``post_grad_custom_post_pass`` with a pass a user put there first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch._inductor import custom_graph_pass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+if TYPE_CHECKING:
+    from torch._inductor.pattern_matcher import Match, PatternMatcherPass
+
+# Inductor's pattern matcher and post-grad modules are imported where used, not here: installing the manager must
+# not cost their import (about half a second) to a program that never compiles.
+
+COUNTER_KEY = "inkling_passes"  # torch._dynamo.utils.counters[COUNTER_KEY][fusion name] += matches
+
+# Recent torch hands post passes of this class an ``is_inference`` flag; releases without it only call plain passes.
+_InferenceAwarePass = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+
+
+def trace(fn: Callable[..., Any], args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
+    """The ``trace_fn`` of every pattern here: Inductor's inference tracer, functionalized, views as reshapes.
+
+    Written ``(fn, args, **kwargs)`` because torch 2.11 calls it with two arguments and 2.13 adds
+    ``get_decomp_fn=``. Functionalizing turns an in-place op into the out-of-place one the post-grad graph holds;
+    ``view`` becomes ``reshape`` because that is all the post-grad graph has by the time our pass runs.
+    """
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.pattern_matcher import fwd_only
+
+    gm = fwd_only(torch.func.functionalize(fn), args, **kwargs)
+    view_to_reshape(gm)
+    gm.recompile()
+    return gm
+
+
+def register(search, replace, example_inputs, patterns: PatternMatcherPass, extra_check: Callable[[Match], bool],
+             scalar_workaround: dict[str, float], *, retrace: bool = True) -> None:
+    """``register_replacement`` with :func:`trace`: ``search`` and ``replace`` take the same arguments;
+    ``example_inputs`` fix only dtypes and ranks; ``scalar_workaround`` names the literal arguments (eps, scale)
+    and the stand-in value traced for each.
+
+    The first match ignores every int, float, list and dtype literal. With ``retrace`` (the default), Inductor then
+    re-traces ``search`` at the match's real shapes and dtypes and requires the graph to equal that trace exactly.
+    A search with reshapes cannot use that under dynamic shapes: the re-trace spells each symbolic size as its own
+    expression, while the graph computes it once for several reshapes. ``retrace=False`` keeps the first pattern,
+    and ``extra_check`` must then verify the literals that matter itself.
+    """
+    from torch._inductor.pattern_matcher import PatternPrettyPrinter, gen_pattern, register_replacement
+
+    if retrace:
+        # Skip a pattern that traces identically to one registered before (2-D and 3-D often do); torch versions
+        # without the flag neither check nor skip, which is harmless (a duplicate entry never matches twice).
+        skip = {"skip_duplicates": True} if "skip_duplicates" in inspect.signature(register_replacement).parameters else {}
+        register_replacement(search, replace, list(example_inputs), trace, patterns, extra_check=extra_check,
+                             scalar_workaround=scalar_workaround, **skip)
+        return
+    pattern = gen_pattern(search, list(example_inputs), trace, scalar_workaround)
+    seen = patterns.__dict__.setdefault("_inkling_seen", set())
+    key = PatternPrettyPrinter.run(pattern)
+    if key in seen:  # 2-D and 3-D or two dtypes can trace to one pattern
+        return
+    seen.add(key)
+    register_replacement(search, replace, list(example_inputs), trace, patterns, extra_check=extra_check,
+                         scalar_workaround=scalar_workaround, search_fn_pattern=pattern)
+
+
+def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Sizes provably equal, symbolic ones included (never adds a guard)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def tensor_meta(match: Match, name: str) -> torch.Tensor | None:
+    """The fake tensor a pattern argument was bound to, or None when it is not a tensor-valued node."""
+    node = match.kwargs.get(name)
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def is_python_scalar(value: Any) -> bool:
+    """A literal int or float baked into the graph (not a bool, tensor, node or symbolic value)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class Fusion:
+    """One named rewrite: a ``PatternMatcherPass`` that ``fill(patterns)`` registers its patterns into on first use."""
+
+    def __init__(self, name: str, fill: Callable[[PatternMatcherPass], None], sources: Iterable[str]):
+        self.name = name
+        self.sources = tuple(sources)  # files whose text decides what this fusion does (hashed into the uuid)
+        self._fill = fill
+        self._patterns: PatternMatcherPass | None = None  # created and filled on first use
+
+    @property
+    def patterns(self) -> PatternMatcherPass:
+        self.ensure_registered()
+        return self._patterns
+
+    @property
+    def registered(self) -> bool:
+        return self._patterns is not None
+
+    def ensure_registered(self) -> None:
+        if self._patterns is not None:
+            return
+        from torch._dynamo.utils import counters
+        from torch._inductor.pattern_matcher import PatternMatcherPass
+        from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+        patterns = PatternMatcherPass(pass_name=f"inkling_{self.name}")
+        # The same isolation Inductor's own lazy pattern init uses: trace on fresh fake tensors, outside any
+        # compile's fake mode or tracing context, and leave Inductor's counters as they were.
+        saved = counters["inductor"].copy()
+        with torch._guards.tracing(None), unset_fake_temporarily(), FakeTensorMode():
+            self._fill(patterns)
+        counters["inductor"] = saved
+        self._patterns = patterns
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        self.ensure_registered()
+        return self.patterns.apply(graph)
+
+    def __repr__(self) -> str:
+        return f"Fusion({self.name!r})"
+
+
+class PassManager(CustomGraphPass):
+    """Runs its fusions in order on a post-grad graph; ``match_counts()`` tells what fired since ``reset_counts()``."""
+
+    def __init__(self, fusions: Sequence[Fusion], extra_sources: Iterable[str] = ()):
+        names = [f.name for f in fusions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate fusion names: {names}")
+        self.fusions = tuple(fusions)
+        files = {__file__, *extra_sources}
+        for fusion in self.fusions:
+            files.update(fusion.sources)
+        self.sources = tuple(sorted(files))
+        self._counts: Counter[str] = Counter()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fusions)
+
+    def ensure_registered(self) -> None:
+        """Trace every pattern now (otherwise done on the first graph the manager sees)."""
+        for fusion in self.fusions:
+            fusion.ensure_registered()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._dynamo.utils import counters
+
+        for fusion in self.fusions:
+            n = fusion.apply(graph)
+            if n:
+                self._counts[fusion.name] += n
+                counters[COUNTER_KEY][fusion.name] += n
+
+    def uuid(self) -> str:
+        # File contents only (not their paths), so two checkouts of the same source share the FX graph cache;
+        # the fusion names cover a manager built over a subset of the fusions.
+        digest = hashlib.sha256(get_hash_for_files(self.sources))
+        digest.update(",".join(self.names).encode())
+        return digest.hexdigest()
+
+    def match_counts(self) -> dict[str, int]:
+        """Matches per fusion (in pass order) since construction or the last :meth:`reset_counts`."""
+        return {name: self._counts[name] for name in self.names}
+
+    def reset_counts(self) -> None:
+        self._counts.clear()
+
+    def __deepcopy__(self, memo) -> PassManager:
+        # Dynamo deep-copies the whole Inductor config on every compile (to log it); a copy of the traced patterns
+        # would be slow and pointless (this object is shared state by design: its counts).
+        return self
+
+    def __repr__(self) -> str:
+        return f"PassManager({', '.join(self.names)})"
+
+
+class ChainedPass(_InferenceAwarePass or CustomGraphPass):  # type: ignore[misc]
+    """A user's pre-existing post pass (``theirs``: one pass or a list of them) followed by ours.
+
+    ``theirs`` is kept as given, so uninstalling puts back exactly what was there. The uuid is the tuple of the
+    members' uuids, or None (Inductor then bypasses its cache) when a member cannot name itself.
+    """
+
+    def __init__(self, theirs: Any, ours: CustomGraphPass):
+        self.theirs = theirs
+        self.ours = ours
+        self.passes = (*(theirs if isinstance(theirs, (list, tuple)) else (theirs,)), ours)
+
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
+        for p in self.passes:
+            if _InferenceAwarePass is not None and isinstance(p, _InferenceAwarePass):
+                p(graph, is_inference=bool(is_inference))
+            else:
+                p(graph)
+
+    def uuid(self) -> tuple[Any, ...] | None:
+        ids = []
+        for p in self.passes:
+            uid = p.uuid() if isinstance(p, CustomGraphPass) else None
+            if not uid:
+                return None
+            ids.append(uid)
+        return tuple(ids)
+
+    def __deepcopy__(self, memo) -> ChainedPass:
+        return self  # see PassManager.__deepcopy__
+
+    def __repr__(self) -> str:
+        return f"ChainedPass({self.theirs!r} then {self.ours!r})"
