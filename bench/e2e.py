@@ -1,0 +1,185 @@
+"""End to end on the self-distilled tiny target: tokens/s and acceptance, greedy, batch 1.
+
+Runs, on the same prompts (random ids, the distribution the draft head was distilled on) and for the same number of
+new tokens with no EOS stop: the target alone (``target.generate(do_sample=False)``, and a minimal greedy loop making
+the same target calls as our speculative loop, which separates the speculative gain from ``generate``'s own
+per-token overhead), transformers' own MTP
+speculative decoding (``generate(use_mtp=True)``, which drafts with every MTP depth and rebuilds its ``MtpModel``
+inside each call), and ours (``speculative_generate`` with a ``Drafter`` over depth 0: eager, and compiled with our
+passes). Every method gets one untimed warm-up call (compiles the drafter's prefill / 1-row / 2-row shapes), then
+the methods take turns prompt by prompt, so drift on a shared machine hits them alike.
+Greedy speculative decoding is lossless, so each method's tokens are compared with the target's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from inkling_compiled import InklingMTP
+from inkling_compiled.runtime import Drafter
+from inkling_compiled.runtime.speculative import speculative_generate
+
+from .step import compile_options
+
+
+@dataclass
+class E2EConfig:
+    prompts: int = 4
+    prompt_len: int = 8
+    new_tokens: int = 64
+    seed: int = 0
+    compiled: bool = True  # also run ours with the compiled drafter
+    hf_mtp: bool = True
+
+
+@contextlib.contextmanager
+def count_hf_matches():
+    """Record transformers' MTP rounds: (drafted, accepted) per verify round, from its candidate generator."""
+    from transformers.generation.candidate_generator import MTPCandidateGenerator
+
+    rounds: list[list[int]] = []
+    get, update = MTPCandidateGenerator.get_candidates, MTPCandidateGenerator.update_candidate_strategy
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        out = get(self, input_ids, *args, **kwargs)
+        rounds.append([out[0].shape[1] - input_ids.shape[1], 0])
+        return out
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        if rounds:
+            rounds[-1][1] = int(num_matches)
+        return update(self, input_ids, scores, num_matches)
+
+    MTPCandidateGenerator.get_candidates = get_candidates
+    MTPCandidateGenerator.update_candidate_strategy = update_candidate_strategy
+    try:
+        yield rounds
+    finally:
+        MTPCandidateGenerator.get_candidates = get
+        MTPCandidateGenerator.update_candidate_strategy = update
+
+
+def _generation_config(target, new_tokens: int):
+    config = target.generation_config.__class__.from_dict(target.generation_config.to_dict())
+    config.eos_token_id = None
+    config.pad_token_id = 0
+    config.do_sample = False
+    config.max_new_tokens = new_tokens
+    config.min_new_tokens = None
+    return config
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig = E2EConfig(), progress=lambda msg: None,
+            distill_metrics: dict | None = None) -> dict:
+    """Tokens/s and acceptance of each method on ``checkpoint`` (a distilled raw-layout directory), fp32."""
+    from inkling_compiled.synthetic import load_hf_target
+
+    device = torch.device(device)
+    target = load_hf_target(checkpoint, dtype=torch.float32).to(device).requires_grad_(False)
+    mtp = InklingMTP.from_pretrained(checkpoint, target=target)
+    text = target.config.get_text_config()
+    vocab = text.unpadded_vocab_size or text.vocab_size
+    gen = torch.Generator().manual_seed(cfg.seed + 1000)
+    prompts = [torch.randint(3, vocab, (1, cfg.prompt_len), generator=gen).to(device) for _ in range(cfg.prompts)]
+    gconfig = _generation_config(target, cfg.new_tokens)
+    gconfig_mtp = _generation_config(target, cfg.new_tokens)
+    gconfig_mtp.use_mtp = True
+    max_length = cfg.prompt_len + cfg.new_tokens + 8
+
+    def target_alone(p):
+        out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig)
+        return out, None
+
+    mup = text.logits_mup_width_multiplier
+
+    def target_loop(p):
+        """The target alone through the same calls our speculative loop makes (no generate() machinery)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=target.config)
+        mask = torch.ones_like(p)
+        ids, out = p, []
+        for _ in range(cfg.new_tokens):
+            h = target.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
+            ids = target.lm_head(h[:, -1:] / mup)[..., :vocab].argmax(-1)
+            out.append(ids)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        return torch.cat([p, *out], dim=1), None
+
+    def hf_mtp(p):
+        with count_hf_matches() as rounds:
+            out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig_mtp)
+        drafted = sum(r[0] for r in rounds)
+        accepted = sum(r[1] for r in rounds if r[0] > 0)
+        return out, (drafted, accepted, sum(1 for r in rounds if r[0] > 0))
+
+    def ours(drafter):
+        def run(p):
+            out = speculative_generate(target, drafter, p, max_new_tokens=cfg.new_tokens)
+            return out.sequences, (out.num_drafted, out.num_accepted, out.num_rounds)
+        return run
+
+    methods = {"target": target_alone, "target_loop": target_loop}
+    if cfg.hf_mtp:
+        methods["hf_mtp"] = hf_mtp
+    methods["ours_eager"] = ours(Drafter(mtp, 1, max_length, compile=False))
+    if cfg.compiled:
+        methods["ours_compiled"] = ours(Drafter(mtp, 1, max_length, compile=True,
+                                                compile_options=compile_options(passes=True, fresh=False)))
+
+    acc = {name: dict(seconds=0.0, tokens=0, drafted=0, accepted=0, rounds=0, matches=0, warm=0.0)
+           for name in methods}
+    with torch.no_grad():
+        for name, fn in methods.items():
+            progress(f"e2e: {name} (warm-up{' + drafter compiles' if name == 'ours_compiled' else ''})")
+            t0 = time.perf_counter()
+            fn(prompts[0])
+            acc[name]["warm"] = time.perf_counter() - t0
+        progress(f"e2e: timing {len(prompts)} prompts x {len(methods)} methods, interleaved")
+        for i, p in enumerate(prompts):
+            # every method on this prompt in turn (order rotating), so drift on a shared machine hits all alike
+            names = list(methods)
+            names = names[i % len(names):] + names[:i % len(names)]
+            outs = {}
+            for name in names:
+                _sync(device)
+                t0 = time.perf_counter()
+                out, stats = methods[name](p)
+                _sync(device)
+                a = acc[name]
+                a["seconds"] += time.perf_counter() - t0
+                outs[name] = out[:, p.shape[1]:]
+                a["tokens"] += outs[name].shape[1]
+                if stats:
+                    a["drafted"] += stats[0]
+                    a["accepted"] += stats[1]
+                    a["rounds"] += stats[2]
+            reference = outs["target"]
+            for name, new in outs.items():
+                n = min(new.shape[1], reference.shape[1])
+                acc[name]["matches"] += int(torch.equal(new[:, :n], reference[:, :n]))
+    results: dict[str, dict] = {}
+    for name, a in acc.items():
+        results[name] = {
+            "tokens_per_s": a["tokens"] / a["seconds"], "ms_per_token": 1e3 * a["seconds"] / a["tokens"],
+            "new_tokens": a["tokens"], "seconds": a["seconds"], "warmup_s": a["warm"],
+            "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
+            "drafted": a["drafted"], "accepted": a["accepted"], "rounds": a["rounds"],
+            "tokens_per_round": (a["tokens"] - len(prompts)) / a["rounds"] if a["rounds"] else None,
+            "outputs_match_target": None if name == "target" else a["matches"] == len(prompts),
+        }
+    base = results["target"]["tokens_per_s"]
+    for r in results.values():
+        r["speedup_vs_target"] = r["tokens_per_s"] / base
+    return {"checkpoint": str(checkpoint), "device": str(device), "prompts": cfg.prompts,
+            "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "methods": results,
+            "hf_mtp_depths": text.num_mtp_layers, "distill": distill_metrics}

@@ -1,0 +1,146 @@
+"""The models a benchmark run compares, built once per (preset, device, dtype).
+
+* ``checkpoint`` weights (tiny / small default): the preset's seeded synthetic checkpoint (``cached_checkpoint``)
+  loaded by transformers (``InklingForConditionalGeneration`` + its ``MtpModel``) and by us
+  (``InklingMTP.from_pretrained(dir, target=...)``, sharing the target's embedding / embed_norm / LM head), so both
+  sides run the very same weights.
+* ``random`` weights (full default): nothing touches the disk; transformers' target and ``MtpModel`` are built on
+  the device with their own random init and ours is built on the device with a random init of the same scale. The
+  two sides then hold different (equally random) weights, which does not matter for latency.
+
+``full`` always uses 1 MTP depth and a 2-layer trunk (``FULL_OVERRIDES``): the real per-depth dims, none of the
+real depth count or trunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inkling_compiled import InklingMTP, MTPConfig
+from inkling_compiled.synthetic import cached_checkpoint, preset_config
+
+FULL_OVERRIDES = dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2)
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}") from None
+
+
+def preset_overrides(preset: str) -> dict:
+    return dict(FULL_OVERRIDES) if preset == "full" else {}
+
+
+def default_weights(preset: str) -> str:
+    return "random" if preset == "full" else "checkpoint"
+
+
+@dataclass
+class Models:
+    preset: str
+    weights: str  # "checkpoint" | "random"
+    device: torch.device
+    dtype: torch.dtype
+    mtp: InklingMTP
+    target: object | None = None  # transformers InklingForConditionalGeneration
+    hf_mtp: object | None = None  # transformers MtpModel
+    checkpoint: Path | None = None
+
+    @property
+    def config(self):
+        return self.mtp.config
+
+    def describe(self) -> dict:
+        c = self.mtp.config
+        g = c.depths[0]
+        return {"preset": self.preset, "weights": self.weights, "checkpoint": str(self.checkpoint or ""),
+                "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "logits_vocab_size": c.logits_vocab_size,
+                "intermediate_size": c.intermediate_size, "depth0": {
+                    "sliding": g.sliding, "heads": g.num_heads, "kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+                    "window": g.window, "rel_extent": g.rel_extent},
+                "num_depths": c.num_depths,
+                "mtp_parameters": sum(p.numel() for n, p in self.mtp.named_parameters() if n.startswith("layers."))}
+
+
+def _randomize_ours(model: InklingMTP, seed: int) -> None:
+    """Same scales as the synthetic checkpoints: unit-ish norm gains, fan-in matrices, a sharp LM head."""
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    h = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("global_scale"):
+                p.normal_(1.0, 0.1, generator=gen)
+            elif name == "lm_head_weight":
+                p.normal_(0.0, 2.5 * model.config.mup / math.sqrt(h), generator=gen)
+            elif name == "embed_weight":
+                p.normal_(0.0, 1.0, generator=gen)
+            elif "sconv" in name:
+                p.normal_(0.0, 0.2, generator=gen)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1] if p.dim() > 1 else max(1, p.numel())), generator=gen)
+
+
+def _random_models(preset: str, device: torch.device, dtype: torch.dtype, peer: bool, seed: int) -> Models:
+    from transformers import InklingConfig
+
+    raw = preset_config(preset, **preset_overrides(preset))
+    hf_config = InklingConfig.from_dict(raw)
+    config = MTPConfig.from_hf(hf_config, raw=raw)
+    with torch.device("meta"):
+        mtp = InklingMTP(config)
+    mtp = mtp.to_empty(device=device).to(dtype)
+    _randomize_ours(mtp, seed)
+    mtp.eval().requires_grad_(False)
+    target = hf_mtp = None
+    if peer:
+        from transformers import InklingForConditionalGeneration
+        from transformers.modeling_layers import MtpModel
+
+        torch.manual_seed(seed)
+        with torch.device(device):
+            target = InklingForConditionalGeneration._from_config(hf_config, dtype=dtype).eval()
+            hf_mtp = MtpModel(target, hf_config.text_config.num_mtp_layers).to(dtype).eval()
+        target.requires_grad_(False)
+        hf_mtp.requires_grad_(False)
+    return Models(preset, "random", device, dtype, mtp, target, hf_mtp, None)
+
+
+def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str | None = None, peer: bool = True,
+                seed: int = 0, progress=None) -> Models:
+    """Build ``preset``'s models on ``device`` in ``dtype`` (see module doc); ``peer=False`` skips transformers."""
+    device = torch.device(device)
+    weights = weights or default_weights(preset)
+    if weights == "random":
+        return _random_models(preset, device, dtype, peer, seed)
+    if weights != "checkpoint":
+        raise ValueError(f"weights must be 'checkpoint' or 'random', got {weights!r}")
+    if progress:
+        progress(f"{preset}: synthetic checkpoint (generated once, cached)")
+    path = cached_checkpoint(preset, seed=seed, **preset_overrides(preset))
+    return load_checkpoint_models(path, preset=preset, device=device, dtype=dtype, peer=peer)
+
+
+def load_checkpoint_models(path, *, preset: str = "custom", device="cpu", dtype=torch.float32,
+                           peer: bool = True) -> Models:
+    """Models from a raw-layout checkpoint directory (e.g. a distilled one)."""
+    device = torch.device(device)
+    path = Path(path)
+    target = hf_mtp = None
+    if peer:
+        from inkling_compiled.synthetic import load_hf_mtp, load_hf_target
+
+        target = load_hf_target(path, dtype=dtype).to(device).requires_grad_(False)
+        hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype).requires_grad_(False)
+        mtp = InklingMTP.from_pretrained(path, target=target)
+    else:
+        mtp = InklingMTP.from_pretrained(path, dtype=dtype, device=device)
+    return Models(preset, "checkpoint", device, dtype, mtp.eval(), target, hf_mtp, path)

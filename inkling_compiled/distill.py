@@ -1,0 +1,370 @@
+"""Self-distillation of the MTP depths on a synthetic target's own greedy continuations.
+
+Random MTP weights draft nothing the target accepts, so an honest end-to-end speed-up needs a draft head that has
+learnt the target. This module trains the MTP depths of a raw-layout Inkling checkpoint (the target frozen, its
+embedding / embed_norm / LM head shared and frozen too) with the spec's alignment (spec §4.1, §6.1):
+
+    depth k at row t reads (g^{k-1}_t, x_{t+k+1}) and is trained to predict x_{t+k+2},   g^{-1}_t = h_t
+
+where ``h`` is the target's post-final-norm ``last_hidden_state`` and the sequences are random prompts followed by
+the target's greedy continuation. Only rows whose label lies in the greedy part count (a random prompt token is not
+predictable). The loss is the sum over depths of the mean cross-entropy of ``compute_logits`` (muP included).
+
+The result is a new checkpoint directory that both transformers (target + ``MtpModel``) and ``InklingMTP`` load:
+``config.json`` and the index are copied, the target shards are hard-linked (copied across file systems), and
+``mtp.safetensors`` holds the trained depths in the stored dtype with the original raw keys. Directories are keyed
+by (source checkpoint, hyper-parameters, format) and reused, like ``synthetic.cached_checkpoint``.
+
+    python -m inkling_compiled.distill [--config tiny] [--steps 300] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+FORMAT_VERSION = 1  # bump when the training recipe changes the written weights for the same arguments
+MTP_FILE = "mtp.safetensors"
+METRICS_FILE = "distill.json"
+DEFAULTS = dict(steps=400, seq_len=64, batch=32, seed=0, lr=1e-2, prompt_len=8, num_sequences=1024,
+                eval_sequences=64, soft=True)
+
+
+def _log(msg: str, progress: bool) -> None:
+    if progress:
+        print(f"[distill] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+@dataclass
+class GreedyData:
+    """Sequences [N, T] (random prompt + target greedy continuation) and the target hiddens [N, T, H] (fp32)."""
+
+    tokens: torch.Tensor
+    hidden: torch.Tensor
+    prompt_len: int
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def subset(self, index) -> GreedyData:
+        return GreedyData(self.tokens[index], self.hidden[index], self.prompt_len)
+
+
+def target_hidden(target, tokens: torch.Tensor) -> torch.Tensor:
+    """The target's post-final-norm hidden (not divided by muP) for every position of ``tokens`` [B, T]."""
+    with torch.no_grad():
+        mask = torch.ones_like(tokens)
+        return target.model(input_ids=tokens, attention_mask=mask).last_hidden_state
+
+
+def _logits_vocab(target) -> int:
+    text = target.config.get_text_config()
+    return text.unpadded_vocab_size or text.vocab_size
+
+
+def greedy_data(target, *, num_sequences: int, seq_len: int, prompt_len: int, seed: int, chunk: int = 64,
+                progress: bool = False) -> GreedyData:
+    """Random prompts of ``prompt_len`` ids continued greedily by ``target`` to ``seq_len`` tokens (EOS suppressed
+    by decoding for exactly ``seq_len - prompt_len`` steps with no EOS id), with the target's hiddens."""
+    if not 0 < prompt_len < seq_len:
+        raise ValueError(f"need 0 < prompt_len < seq_len, got {prompt_len}, {seq_len}")
+    gen = torch.Generator().manual_seed(seed)
+    vocab = _logits_vocab(target)
+    device = target.lm_head.weight.device
+    prompts = torch.randint(3, vocab, (num_sequences, prompt_len), generator=gen).to(device)
+    config = target.generation_config.__class__.from_dict(target.generation_config.to_dict())
+    config.eos_token_id = None
+    config.pad_token_id = 0
+    config.do_sample = False
+    config.max_new_tokens = seq_len - prompt_len
+    config.min_new_tokens = None
+    tokens, hidden = [], []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for lo in range(0, num_sequences, chunk):
+            p = prompts[lo:lo + chunk]
+            out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=config)
+            if out.shape[1] != seq_len:
+                raise RuntimeError(f"generate returned {out.shape[1]} tokens, expected {seq_len}")
+            tokens.append(out)
+            hidden.append(target_hidden(target, out).float())
+            done = min(lo + chunk, num_sequences)
+            if done == num_sequences or (lo // chunk) % 4 == 3:
+                _log(f"greedy continuations {done}/{num_sequences} ({time.perf_counter() - start:.1f} s)", progress)
+    return GreedyData(torch.cat(tokens), torch.cat(hidden), prompt_len)
+
+
+# ----------------------------------------------------------------------------------------------------------- loss
+
+def depth_rows(seq_len: int, depth: int) -> int:
+    """Rows depth ``depth`` can be trained on in a sequence of ``seq_len`` tokens: t = 0 .. T-3-depth."""
+    return seq_len - 2 - depth
+
+
+def mtp_loss(mtp, tokens: torch.Tensor, hidden: torch.Tensor, prompt_len: int, depths: int | None = None,
+             soft: bool = False) -> tuple[torch.Tensor, list[float], list[float]]:
+    """Sum over depths of the mean cross-entropy; also per-depth (loss, top-1 agreement) as floats.
+
+    Depth k, row t: hidden g^{k-1}_t (h_t for k = 0), token x_{t+k+1}, label x_{t+k+2}. Positions are the absolute
+    row indices (stateless full-sequence forward, ``cache=None``). Hard labels (``soft=False``): the greedy token,
+    rows whose label lies inside the random prompt (index < prompt_len) ignored. Soft labels: cross-entropy against
+    the target's own next-token distribution at t+k+1 (``softmax`` of the shared head on h_{t+k+1}), whose argmax is
+    the greedy label, on every row (the prompt rows carry signal too). Agreement is always measured against the
+    greedy tokens on the greedy rows.
+    """
+    batch, seq = tokens.shape
+    depths = mtp.config.num_depths if depths is None else depths
+    previous = hidden.to(mtp.dtype)
+    total = tokens.new_zeros((), dtype=torch.float32)
+    losses, accs = [], []
+    for k in range(depths):
+        n = depth_rows(seq, k)
+        if n <= 0:
+            break
+        positions = torch.arange(n, device=tokens.device)[None].expand(batch, n)
+        ids = tokens[:, k + 1:k + 1 + n]
+        labels = tokens[:, k + 2:k + 2 + n]
+        out = mtp(ids, positions, previous[:, :n], depth=k)
+        logits = mtp.compute_logits(out).float()
+        keep = (torch.arange(n, device=tokens.device) + k + 2 >= prompt_len)[None].expand(batch, n)
+        if soft:
+            with torch.no_grad():
+                teacher = mtp.compute_logits(hidden[:, k + 1:k + 1 + n].to(mtp.dtype)).float().softmax(-1)
+            ce = -(teacher * logits.log_softmax(-1)).sum(-1).mean()
+        else:
+            ce = F.cross_entropy(logits[keep], labels[keep])
+        total = total + ce
+        losses.append(float(ce.detach()))
+        accs.append(float((logits[keep].argmax(-1) == labels[keep]).float().mean()))
+        previous = out
+    return total, losses, accs
+
+
+def agreement(mtp, data: GreedyData, *, batch: int = 64) -> list[float]:
+    """Teacher-forced top-1 agreement per depth on ``data``. For depth 0 this is exactly the greedy K=1 acceptance
+    rate along the target's greedy path (the draft at row t sees h_t and the committed x_{t+1})."""
+    sums, count = None, 0
+    with torch.no_grad():
+        for lo in range(0, len(data), batch):
+            part = data.subset(slice(lo, lo + batch))
+            _, _, accs = mtp_loss(mtp, part.tokens, part.hidden, data.prompt_len)
+            n = part.tokens.shape[0]
+            sums = [a * n for a in accs] if sums is None else [s + a * n for s, a in zip(sums, accs)]
+            count += n
+    return [s / count for s in sums]
+
+
+def train(mtp, data: GreedyData, *, steps: int, batch: int, lr: float, seed: int, soft: bool = True,
+          progress: bool = False, log_every: int = 50) -> list[float]:
+    """Adam on the MTP depths (shared tensors frozen), cosine-decayed lr, warm-up 5 %; returns the loss per step."""
+    params = [p for name, p in mtp.named_parameters() if name.startswith(("layers.", "chain_norm."))]
+    for name, p in mtp.named_parameters():
+        p.requires_grad_(name.startswith(("layers.", "chain_norm.")))
+    opt = torch.optim.Adam(params, lr=lr)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))))
+    gen = torch.Generator().manual_seed(seed + 1)
+    history = []
+    mtp.train()
+    start = time.perf_counter()
+    try:
+        for step in range(steps):
+            index = torch.randint(0, len(data), (batch,), generator=gen)
+            part = data.subset(index)
+            loss, losses, accs = mtp_loss(mtp, part.tokens, part.hidden, data.prompt_len, soft=soft)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            history.append(float(loss.detach()))
+            if (step + 1) % log_every == 0 or step + 1 == steps:
+                _log(f"step {step + 1}/{steps}  loss {history[-1]:.3f}  per-depth "
+                     f"{' '.join(f'{x:.2f}' for x in losses)}  train top-1 {' '.join(f'{a:.2f}' for a in accs)}  "
+                     f"({time.perf_counter() - start:.1f} s)", progress)
+    finally:
+        mtp.eval()
+        mtp.requires_grad_(False)
+    return history
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoint
+
+def _key(checkpoint_dir: Path, params: dict) -> str:
+    parts = {"source": str(checkpoint_dir.resolve()), "params": params, "format": FORMAT_VERSION}
+    for name in ("config.json", "model.safetensors.index.json"):
+        f = checkpoint_dir / name
+        parts[name] = f.read_text() if f.is_file() else None
+    mtp = checkpoint_dir / MTP_FILE
+    parts["mtp"] = [mtp.stat().st_size, mtp.stat().st_mtime_ns] if mtp.is_file() else None
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_out_dir(checkpoint_dir, **params) -> Path:
+    """Where :func:`distill` caches the result for these arguments (filled with :data:`DEFAULTS`)."""
+    from .synthetic import default_cache_root
+
+    checkpoint_dir = Path(checkpoint_dir)
+    full = {**DEFAULTS, **params}
+    return default_cache_root() / "distilled" / f"{checkpoint_dir.name}-{_key(checkpoint_dir, full)}"
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _stored_mtp(checkpoint_dir: Path) -> tuple[set[str], torch.dtype]:
+    with safe_open(str(checkpoint_dir / MTP_FILE), framework="pt") as f:
+        keys = set(f.keys())
+        dtype = f.get_slice(next(iter(sorted(keys)))).get_dtype()
+    return keys, {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[dtype]
+
+
+def write_distilled(checkpoint_dir, mtp, out_dir, metrics: dict) -> Path:
+    """Copy the target checkpoint (shards hard-linked) into ``out_dir`` with ``mtp.safetensors`` replaced by
+    ``mtp``'s depths (raw layout, the stored dtype), atomically (temp sibling, then rename)."""
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    keys, stored_dtype = _stored_mtp(checkpoint_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for item in checkpoint_dir.iterdir():
+            if item.name in (MTP_FILE, METRICS_FILE) or not item.is_file():
+                continue
+            _link_or_copy(item, tmp / item.name)
+        scratch = tmp / ".mtp"
+        original_dtype = mtp.dtype
+        mtp.to(stored_dtype).save_pretrained(scratch, include_shared=False)
+        mtp.to(original_dtype)
+        written, _ = _stored_mtp(scratch)
+        if written != keys:
+            raise RuntimeError(f"trained MTP keys differ from {checkpoint_dir / MTP_FILE}: "
+                               f"missing {sorted(keys - written)[:5]}, extra {sorted(written - keys)[:5]}")
+        os.replace(scratch / MTP_FILE, tmp / MTP_FILE)
+        shutil.rmtree(scratch)
+        (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not (out_dir / METRICS_FILE).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def load_metrics(out_dir) -> dict:
+    """The ``distill.json`` written next to a distilled checkpoint (losses, agreement before / after, timings)."""
+    return json.loads((Path(out_dir) / METRICS_FILE).read_text())
+
+
+# ------------------------------------------------------------------------------------------------------------- API
+
+def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq_len: int = DEFAULTS["seq_len"],
+            batch: int = DEFAULTS["batch"], seed: int = DEFAULTS["seed"], lr: float = DEFAULTS["lr"],
+            prompt_len: int = DEFAULTS["prompt_len"], num_sequences: int = DEFAULTS["num_sequences"],
+            eval_sequences: int = DEFAULTS["eval_sequences"], soft: bool = DEFAULTS["soft"], force: bool = False,
+            progress: bool = True) -> Path:
+    """Self-distil the MTP depths of the raw-layout checkpoint ``checkpoint_dir``; return the distilled directory.
+
+    ``out_dir`` defaults to a cache directory keyed by the checkpoint and every argument; an existing complete
+    directory is returned as is unless ``force``. Seeded: the same arguments give the same weights (CPU, fp32).
+    Metrics (loss history, depth agreement before / after on ``eval_sequences`` held-out sequences, timings) are in
+    ``out_dir/distill.json`` (:func:`load_metrics`). ``soft``: cross-entropy against the target's full next-token
+    distribution (default; learns faster, overfits less) instead of its greedy token (see :func:`mtp_loss`).
+    """
+    from .model.mtp import InklingMTP
+    from .synthetic import load_hf_target
+
+    checkpoint_dir = Path(checkpoint_dir)
+    params = dict(steps=steps, seq_len=seq_len, batch=batch, seed=seed, lr=lr, prompt_len=prompt_len,
+                  num_sequences=num_sequences, eval_sequences=eval_sequences, soft=soft)
+    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, **params)
+    if (out_dir / METRICS_FILE).is_file() and not force:
+        _log(f"cached: {out_dir}", progress)
+        return out_dir
+    if force and out_dir.exists():
+        shutil.rmtree(out_dir)
+
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    _log(f"target {checkpoint_dir}", progress)
+    target = load_hf_target(checkpoint_dir, dtype=torch.float32).requires_grad_(False)
+    data = greedy_data(target, num_sequences=num_sequences + eval_sequences, seq_len=seq_len,
+                       prompt_len=prompt_len, seed=seed, progress=progress)
+    train_data, eval_data = data.subset(slice(0, num_sequences)), data.subset(slice(num_sequences, None))
+    t_data = time.perf_counter() - start
+    del target
+
+    mtp = InklingMTP.from_pretrained(checkpoint_dir, dtype=torch.float32)
+    before = agreement(mtp, eval_data)
+    _log(f"held-out top-1 agreement before: {' '.join(f'{a:.3f}' for a in before)}", progress)
+    t0 = time.perf_counter()
+    history = train(mtp, train_data, steps=steps, batch=batch, lr=lr, seed=seed, soft=soft, progress=progress)
+    t_train = time.perf_counter() - t0
+    after = agreement(mtp, eval_data)
+    _log(f"held-out top-1 agreement after:  {' '.join(f'{a:.3f}' for a in after)} "
+         f"(depth 0 = greedy K=1 acceptance)", progress)
+    metrics = dict(source=str(checkpoint_dir), params=params, format=FORMAT_VERSION,
+                   loss_first=history[0] if history else None, loss_last=history[-1] if history else None,
+                   loss_history=history, agreement_before=before, agreement_after=after,
+                   data_seconds=t_data, train_seconds=t_train, total_seconds=time.perf_counter() - start)
+    write_distilled(checkpoint_dir, mtp, out_dir, metrics)
+    _log(f"wrote {out_dir} ({time.perf_counter() - start:.1f} s)", progress)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.distill", description=__doc__.split("\n\n")[0])
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="raw-layout checkpoint directory to distil (default: the --config preset)")
+    src.add_argument("--config", default="tiny", help="synthetic preset to generate and distil (default tiny)")
+    parser.add_argument("--out", help="output directory (default: a cache directory keyed by the arguments)")
+    for name, value in DEFAULTS.items():
+        if not isinstance(value, bool):
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--hard-labels", dest="soft", action="store_false",
+                        help="train on the greedy tokens instead of the target's next-token distribution")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.checkpoint:
+        checkpoint = Path(args.checkpoint)
+    else:
+        from .synthetic import cached_checkpoint
+
+        checkpoint = cached_checkpoint(args.config)
+    params = {name: getattr(args, name) for name in DEFAULTS}
+    out = distill(checkpoint, args.out, force=args.force, **params)
+    metrics = load_metrics(out)
+    print(json.dumps({"out_dir": str(out), "agreement_before": metrics["agreement_before"],
+                      "agreement_after": metrics["agreement_after"], "loss_first": metrics["loss_first"],
+                      "loss_last": metrics["loss_last"], "total_seconds": metrics["total_seconds"]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Self-distillation (``inkling_compiled.distill``): the spec's alignment, a loss that falls, an acceptance that
+rises, a result directory both libraries load, and the bench's end-to-end run on it."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.models import load_checkpoint_models
+from inkling_compiled import distill as D
+from inkling_compiled.synthetic import cached_checkpoint
+
+# Few steps and sequences: seconds on a 2-core CPU, still a clear effect.
+QUICK = dict(steps=60, seq_len=32, batch=16, lr=1e-2, prompt_len=8, num_sequences=64, eval_sequences=16, seed=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def source():
+    return cached_checkpoint("tiny")
+
+
+@pytest.fixture(scope="module")
+def distilled(source, tmp_path_factory):
+    return D.distill(source, tmp_path_factory.mktemp("distill") / "tiny-distilled", progress=False, **QUICK)
+
+
+# ------------------------------------------------------------------------------------------------ alignment
+
+class CountingStub:
+    """Stands in for InklingMTP: depth output = one-hot of (its token + 1), so on a counting sequence
+    (x_{t+1} = x_t + 1) it predicts x_{t+k+2} from x_{t+k+1} exactly iff the rows are aligned as in the spec."""
+
+    def __init__(self, depths, vocab):
+        self.config = SimpleNamespace(num_depths=depths)
+        self.dtype = torch.float32
+        self.vocab = vocab
+        self.calls = []
+
+    def __call__(self, ids, positions, previous, depth):
+        self.calls.append((depth, ids, positions, previous))
+        return F.one_hot((ids + 1) % self.vocab, self.vocab).float()
+
+    def compute_logits(self, hidden):
+        return 10 * hidden
+
+
+def test_depth_k_reads_token_t_plus_k_plus_1_and_predicts_t_plus_k_plus_2():
+    vocab, seq = 50, 12
+    tokens = (torch.arange(seq)[None] + torch.tensor([[3], [17]])) % vocab
+    hidden = torch.randn(2, seq, vocab)
+    stub = CountingStub(3, vocab)
+    _, losses, accs = D.mtp_loss(stub, tokens, hidden, prompt_len=4)
+    assert accs == [1.0, 1.0, 1.0]
+    for depth, ids, positions, previous in stub.calls:
+        n = D.depth_rows(seq, depth)
+        assert torch.equal(ids, tokens[:, depth + 1:depth + 1 + n])
+        assert torch.equal(positions[0], torch.arange(n))
+    assert torch.equal(stub.calls[0][3], hidden[:, :D.depth_rows(seq, 0)])  # depth 0 reads the target hidden h_t
+    depth0_out = F.one_hot(stub.calls[0][1] + 1, vocab).float()
+    assert torch.equal(stub.calls[1][3], depth0_out[:, :D.depth_rows(seq, 1)])  # depth 1 reads g^0_t
+
+
+def test_rows_with_labels_inside_the_random_prompt_are_ignored():
+    vocab, seq = 50, 12
+    tokens = torch.arange(seq)[None] % vocab
+    tokens[0, :5] = 0  # a "random" prompt: rows whose label index is < 6 are mispredicted but must not count
+    stub = CountingStub(1, vocab)
+    _, _, accs = D.mtp_loss(stub, tokens, torch.randn(1, seq, vocab), prompt_len=6)
+    assert accs == [1.0]
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+def test_distillation_lowers_the_loss_and_raises_acceptance(distilled):
+    m = D.load_metrics(distilled)
+    history = m["loss_history"]
+    assert len(history) == QUICK["steps"]
+    assert sum(history[-5:]) / 5 < 0.7 * sum(history[:5]) / 5
+    before, after = m["agreement_before"], m["agreement_after"]
+    assert before[0] < 0.05  # random MTP weights: (almost) nothing accepted
+    assert after[0] > before[0] + 0.05, (before, after)
+
+
+def test_distilled_directory_loads_in_both_libraries(distilled, source):
+    ours_src = load_checkpoint_models(source, preset="tiny", peer=False).mtp
+    models = load_checkpoint_models(distilled, preset="tiny")
+    # the MTP changed, the target's tensors did not (shards are links / copies of the source's)
+    trained = dict(models.mtp.named_parameters())
+    assert not torch.equal(trained["layers.0.input_proj.weight"], ours_src.layers[0].input_proj.weight)
+    assert torch.equal(trained["lm_head_weight"], ours_src.lm_head_weight)
+    for name in os.listdir(source):
+        if name.startswith("model-"):
+            assert (distilled / name).read_bytes() == (source / name).read_bytes()
+    # transformers reads the trained depths: same depth-0 output as ours on raw embedding rows (within the window)
+    c = models.config
+    seq = c.depths[0].window or 16
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.logits_vocab_size, (1, seq), generator=gen)
+    hidden = torch.randn(1, seq, c.hidden_size, generator=gen)
+    positions = torch.arange(seq)[None]
+    raw = models.target.get_input_embeddings().weight[ids]
+    with torch.no_grad():
+        expected = models.hf_mtp.forward_layer(0, hidden, positions, None, inputs_embeds=raw)
+        got = models.mtp(None, positions, hidden, depth=0, inputs_embeds=raw)
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_distill_reuses_a_finished_directory(distilled, source):
+    stamp = (distilled / D.METRICS_FILE).stat().st_mtime_ns
+    assert D.distill(source, distilled, progress=False, **QUICK) == distilled
+    assert (distilled / D.METRICS_FILE).stat().st_mtime_ns == stamp
+
+
+def test_default_out_dir_is_keyed_by_the_arguments(source):
+    a = D.default_out_dir(source, **QUICK)
+    assert a == D.default_out_dir(source, **QUICK)
+    assert a != D.default_out_dir(source, **{**QUICK, "steps": QUICK["steps"] + 1})
+    assert a != D.default_out_dir(source, **{**QUICK, "seed": 1})
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+def test_e2e_section_on_the_distilled_target(distilled):
+    from bench.e2e import E2EConfig, run_e2e
+    from bench.schema import _Check, _e2e
+
+    result = run_e2e(distilled, cfg=E2EConfig(prompts=1, new_tokens=8, compiled=False))
+    methods = result["methods"]
+    assert set(methods) == {"target", "target_loop", "hf_mtp", "ours_eager"}
+    for name, m in methods.items():
+        assert m["new_tokens"] == 8 and m["tokens_per_s"] > 0
+        if name != "target":
+            assert m["outputs_match_target"] is True, name  # greedy speculative decoding is lossless
+    assert 0 <= methods["ours_eager"]["acceptance"] <= 1
+    assert methods["hf_mtp"]["drafted"] > 0  # transformers' rounds were counted
+    check = _Check()
+    _e2e(check, result, "$.e2e")
+    assert check.problems == []
