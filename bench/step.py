@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inkling_compiled import passes as ic_passes
+from inkling_compiled.passes.kernel_stats import outer_loops
 from inkling_compiled.runtime import Drafter
 
 from .floor import GemmFloor, record_gemms, summarize
@@ -76,26 +77,6 @@ def generated_code():
 _CPP_KERNEL_DEF = re.compile(r'extern "C"\s+void\s+(cpp_fused_\w+)\(')
 _CPP_KERNEL_CALL = re.compile(r"\b(cpp_fused_\w+)\(\(")  # call sites cast their first pointer: name((float*)...
 _AOTI_EXTERN = re.compile(r"\baoti_torch_(?:cpu|cuda)_(\w+?)(?:_out)?\(")
-_LOOP_TOKEN = re.compile(r"\bfor\s*\(|[{}]")
-
-
-def _outer_for_loops(source: str) -> int:
-    """For-loops with no enclosing for-loop (Inductor braces every loop body): one pass over memory each."""
-    stack: list[bool] = []
-    pending = False
-    count = 0
-    for token in _LOOP_TOKEN.findall(source):
-        if token == "{":
-            stack.append(pending)
-            pending = False
-        elif token == "}":
-            if stack:
-                stack.pop()
-        else:
-            if not any(stack) and not pending:
-                count += 1
-            pending = True
-    return count
 
 
 def cpp_wrapper_stats(code: str) -> dict:
@@ -105,7 +86,7 @@ def cpp_wrapper_stats(code: str) -> dict:
     extern = [op for op in _AOTI_EXTERN.findall(code) if op not in ("empty_strided",)]
     launches = len(_CPP_KERNEL_CALL.findall(code))
     return {"cpp_kernels": len(kernels), "triton_kernels": 0, "kernels": len(kernels),
-            "loop_nests": _outer_for_loops(code), "kernel_launches": launches, "extern_calls": len(extern),
+            "loop_nests": outer_loops(code), "kernel_launches": launches, "extern_calls": len(extern),
             "extern_ops": sorted(set(extern)), "launches": launches + len(extern), "wrapper": "cpp"}
 
 

@@ -47,7 +47,7 @@ class KernelStats:
         )
 
 
-def _outer_loops(cpp_source: str) -> int:
+def outer_loops(cpp_source: str) -> int:
     """For-loops with no enclosing for-loop (Inductor's C++ always braces its loop bodies)."""
     stack: list[bool] = []  # one entry per open brace: does it open a for-loop body?
     pending_for = False
@@ -79,7 +79,7 @@ def kernel_stats(code: str | list[str] | tuple[str, ...]) -> KernelStats:
     return KernelStats(
         cpp_kernels=len(_CPP_DEF.findall(code)),
         triton_kernels=len(_TRITON_DEF.findall(code)),
-        loop_nests=sum(_outer_loops(src) for src in _CPP_SOURCE.findall(code)),
+        loop_nests=sum(outer_loops(src) for src in _CPP_SOURCE.findall(code)),
         kernel_launches=launches,
         extern_calls=_EXTERN_CALL.findall(call),
     )
