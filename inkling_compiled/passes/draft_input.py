@@ -32,7 +32,7 @@ from ..model.norm import rms_norm
 if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import Match, PatternMatcherPass
 
-from .manager import Fusion, is_python_scalar, register, same_shape, tensor_meta
+from .manager import Fusion, is_python_scalar, register, same_shape, tensor_meta, trace, trace_without_round_trips
 
 # scalar_workaround stand-in for eps: exact in fp32 and unequal to every other literal in these graphs (2, -1,
 # True), so the traced pattern takes the graph's eps as an argument instead of ignoring it.
@@ -144,9 +144,14 @@ def _norm_eps_literals(match: Match) -> set:
 
 
 def _one_literal_eps(match: Match) -> bool:
-    """The norms being merged all add the same literal eps (the replacement applies one eps to every row)."""
-    eps = match.kwargs.get("eps")
-    return is_python_scalar(eps) and _norm_eps_literals(match) == {eps}
+    """The norms being merged all add the same literal eps (the replacement applies one eps to every row).
+
+    torch 2.13 hands the predicate the eps as a match argument; 2.11 re-traces with the real value, so its re-traced
+    pattern holds eps as a literal and the match has no ``eps`` argument: then the literals alone decide.
+    """
+    literals = _norm_eps_literals(match)
+    eps = match.kwargs.get("eps", next(iter(literals)) if len(literals) == 1 else None)
+    return is_python_scalar(eps) and literals == {eps}
 
 
 def _gains_fit(match: Match, hidden: torch.Tensor, names: tuple[str, ...]) -> bool:
@@ -199,8 +204,11 @@ def _examples(act: torch.dtype, wdt: torch.dtype, rank: int):
 def _register_embed_chain(patterns: PatternMatcherPass) -> None:
     for (act, wdt), rank, hidden_first in itertools.product(_DTYPES, _RANKS, (True, False)):
         hidden, table, ids, w_pre, w_h, w_e = _examples(act, wdt, rank)
-        register(_embed_search(hidden_first), _embed_replace(hidden_first), (hidden, table, ids, w_pre, w_h, w_e),
-                 patterns, _embed_chain_fits, {"eps": _EPS_PLACEHOLDER})
+        # bf16: the rounding between the two embedding norms is gone from the graph torch 2.11 hands us
+        for tracer in (trace, trace_without_round_trips) if act != torch.float32 else (trace,):
+            register(_embed_search(hidden_first), _embed_replace(hidden_first),
+                     (hidden, table, ids, w_pre, w_h, w_e), patterns, _embed_chain_fits, {"eps": _EPS_PLACEHOLDER},
+                     tracer=tracer)
 
 
 def _register_two_norms(patterns: PatternMatcherPass) -> None:

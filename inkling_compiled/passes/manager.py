@@ -52,8 +52,32 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], **kwargs: Any) -> torch.f
     return gm
 
 
+def trace_without_round_trips(fn: Callable[..., Any], args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
+    """:func:`trace`, then ``convert(convert(x, d1), d2)`` collapsed to ``convert(x, d2)`` (or ``x``).
+
+    torch 2.11's joint-graph ``pointless_convert`` does this to the real graph before post-grad passes run, even when
+    the inner cast is a lossy rounding (fp32 -> bf16 -> fp32: the round trip between the two embedding norms); 2.13
+    keeps such roundings. Patterns traced both ways match the graph whichever torch built it.
+    """
+    gm = trace(fn, args, **kwargs)
+    convert = torch.ops.prims.convert_element_type.default
+    for node in list(gm.graph.nodes):
+        inner = node.args[0] if node.target is convert else None
+        if not (isinstance(inner, torch.fx.Node) and inner.target is convert):
+            continue
+        source, dtype = inner.args[0], node.args[1]
+        source_dtype = source.meta["val"].dtype if isinstance(source, torch.fx.Node) else None
+        if source_dtype == dtype:
+            node.replace_all_uses_with(source)
+        else:
+            node.args = (source, dtype)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
 def register(search, replace, example_inputs, patterns: PatternMatcherPass, extra_check: Callable[[Match], bool],
-             scalar_workaround: dict[str, float], *, retrace: bool = True) -> None:
+             scalar_workaround: dict[str, float], *, retrace: bool = True, tracer=trace) -> None:
     """``register_replacement`` with :func:`trace`: ``search`` and ``replace`` take the same arguments;
     ``example_inputs`` fix only dtypes and ranks; ``scalar_workaround`` names the literal arguments (eps, scale)
     and the stand-in value traced for each.
@@ -70,16 +94,16 @@ def register(search, replace, example_inputs, patterns: PatternMatcherPass, extr
         # Skip a pattern that traces identically to one registered before (2-D and 3-D often do); torch versions
         # without the flag neither check nor skip, which is harmless (a duplicate entry never matches twice).
         skip = {"skip_duplicates": True} if "skip_duplicates" in inspect.signature(register_replacement).parameters else {}
-        register_replacement(search, replace, list(example_inputs), trace, patterns, extra_check=extra_check,
+        register_replacement(search, replace, list(example_inputs), tracer, patterns, extra_check=extra_check,
                              scalar_workaround=scalar_workaround, **skip)
         return
-    pattern = gen_pattern(search, list(example_inputs), trace, scalar_workaround)
+    pattern = gen_pattern(search, list(example_inputs), tracer, scalar_workaround)
     seen = patterns.__dict__.setdefault("_inkling_seen", set())
     key = PatternPrettyPrinter.run(pattern)
     if key in seen:  # 2-D and 3-D or two dtypes can trace to one pattern
         return
     seen.add(key)
-    register_replacement(search, replace, list(example_inputs), trace, patterns, extra_check=extra_check,
+    register_replacement(search, replace, list(example_inputs), tracer, patterns, extra_check=extra_check,
                          scalar_workaround=scalar_workaround, search_fn_pattern=pattern)
 
 

@@ -11,6 +11,8 @@ from inkling_compiled.model.norm import rms_norm
 from inkling_compiled.passes import draft_input as pass_a
 from inkling_compiled.passes.kernel_stats import compile_fresh
 
+TORCH_BEFORE_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+
 H, V = 64, 96
 EPS = 1e-6
 
@@ -158,6 +160,7 @@ def test_depth_norms_with_different_eps_do_not_fire():
     torch.testing.assert_close(run.output, block(hidden, embeds, w_h, w_e), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(TORCH_BEFORE_2_13, reason="torch 2.11 drops the bf16 rounding between the norms before our pass")
 def test_backbone_eps_differing_from_depth_eps_leaves_only_the_two_norm_fusion():
     hidden, table, ids, w_pre, w_h, w_e, _ = _inputs(torch.bfloat16, (7,))
 
@@ -211,9 +214,13 @@ def test_mixed_dtype_halves_do_not_fire():
     assert _fired(run)
 
 
+@pytest.mark.skipif(TORCH_BEFORE_2_13, reason="torch 2.11 cannot skip duplicate patterns: 2-D and 3-D both register")
 def test_registered_variants():
-    """Every dtype pair x order traces to its own pattern; 2-D and 3-D coincide (no reshapes in this block)."""
+    """Every dtype pair x order traces to its own pattern; 2-D and 3-D coincide (no reshapes in this block). The
+    gather chain also registers each low-precision pair without its norm-to-norm rounding (torch 2.11's graph)."""
+    low_precision = sum(act != torch.float32 for act, _ in pass_a._DTYPES)
+    expected = {"draft_input_embed": (len(pass_a._DTYPES) + low_precision) * 2, "draft_input": len(pass_a._DTYPES) * 2}
     for fusion in pass_a.FUSIONS:
         fusion.ensure_registered()
         entries = list(itertools.chain.from_iterable(fusion.patterns.patterns.values()))
-        assert len(entries) == len(pass_a._DTYPES) * 2, fusion.name
+        assert len(entries) == expected[fusion.name], fusion.name
