@@ -110,16 +110,16 @@ class Drafter:
             self.check(input_ids, positions, hidden)
         batch, rows = positions.shape
         shape = self._shape(batch, rows, temperature > 0)
-        shape.input_ids[:batch, -rows:].copy_(input_ids)
-        shape.positions[:batch, -rows:].copy_(positions)
-        shape.hidden[:batch, -rows:].copy_(hidden)
+        exact = batch == shape.batch and rows == shape.rows  # no padding: skip the slicing (it costs per call)
+        for buffer, value in zip(shape.args(), (input_ids, positions, hidden)):
+            (buffer if exact else buffer[:batch, -rows:]).copy_(value)
         if shape.sampled:
             shape.noise.exponential_(generator=generator)
             shape.inv_temperature.fill_(1.0 / temperature)
         outputs = self._execute(shape)
         if shape.graph is not None:  # graph outputs live in the pool and are overwritten by the next replay
             outputs = [t[:batch].clone() for t in outputs]
-        else:  # freshly allocated by the compiled step: views are safe to keep
+        elif not exact:  # freshly allocated by the compiled step: views are safe to keep
             outputs = [t[:batch] for t in outputs]
         return DraftResult(tokens=outputs[0], probs=outputs[2] if shape.sampled else None, hidden=outputs[1])
 
