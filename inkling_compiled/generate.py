@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import sys
 import time
 
@@ -22,6 +21,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m inkling_compiled.generate", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", help="raw Inkling checkpoint directory (default: tiny synthetic checkpoint)")
+    parser.add_argument("--distilled", action="store_true",
+                        help="with the default checkpoint: self-distil its MTP first (cached; ~1 min the first time)")
     parser.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt (default 16)")
     parser.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
     parser.add_argument("--ragged", action="store_true",
@@ -67,13 +68,15 @@ def build(args):
         from .synthetic import cached_checkpoint
 
         path = cached_checkpoint("tiny")
+        if args.distilled:  # random MTP weights draft nothing the target accepts
+            from .distill import distill
+
+            path = distill(path)
     dtype = DTYPES[args.dtype]
     target = _load_hf_target(path, dtype).to(args.device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device)
-    kwargs = {}
-    if "compile" in inspect.signature(Drafter).parameters:
-        kwargs["compile"] = not args.no_compile
-    drafter = Drafter(mtp, max_batch_size=args.batch, max_length=args.prompt_len + args.max_new_tokens, **kwargs)
+    drafter = Drafter(mtp, max_batch_size=args.batch, max_length=args.prompt_len + args.max_new_tokens,
+                      compile=not args.no_compile)
     return path, target, drafter
 
 
