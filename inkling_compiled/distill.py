@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from .checkpoint import MTP_FILE
+
 FORMAT_VERSION = 1  # bump when the training recipe changes the written weights for the same arguments
-MTP_FILE = "mtp.safetensors"
 METRICS_FILE = "distill.json"
 DEFAULTS = dict(steps=400, seq_len=64, batch=32, seed=0, lr=1e-2, prompt_len=8, num_sequences=1024,
                 eval_sequences=64, soft=True)
