@@ -200,9 +200,18 @@ def _read_tensors(located, wanted, dtype, device, progress) -> dict[str, torch.T
                     t = f.get_tensor(k)
                     if k.endswith(W13_SUFFIX):
                         t = deinterleave_rows(t)
-                    state[wanted[k][0]] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
+                    state[wanted[k][0]] = nn.Parameter(_aligned(t.to(device=device, dtype=dtype)), requires_grad=False)
                     bar.update(sizes[k])
     return state
+
+
+ALIGNMENT = 64  # bytes: what PyTorch's CPU allocator guarantees, and what vectorised GEMM kernels expect
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in its own aligned allocation. safetensors hands out tensors at arbitrary offsets of one buffer; a GEMV
+    over a misaligned weight measured ~20 % slower (the small head: 8.9 vs 7.5 ms)."""
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()
 
 
 def _target_shared(target: nn.Module, config: MTPConfig) -> dict[str, nn.Parameter]:

@@ -132,6 +132,11 @@ def test_sharded_load_equals_raw_tensors(model, ref):
     assert not model.training and not any(p.requires_grad for p in model.parameters())
 
 
+def test_loaded_weights_are_aligned(model):
+    """safetensors returns tensors at arbitrary buffer offsets; misaligned weights make CPU GEMVs ~20 % slower."""
+    assert {p.data_ptr() % C.ALIGNMENT for p in model.parameters()} == {0}
+
+
 def test_sharded_and_unsharded_load_identically(model, flat):
     other = InklingMTP.from_pretrained(flat)
     assert other.config == model.config
