@@ -88,7 +88,8 @@ def load_mtp(path: str | os.PathLike, *, dtype: torch.dtype | None = None, devic
 
     ``dtype`` defaults to the stored MTP dtype (or the target's), ``device`` to CPU (or the target's). ``target`` (a
     transformers ``InklingForCausalLM`` / ``InklingForConditionalGeneration``) lends its embedding table, embed_norm
-    and LM head as the very same Parameters. ``num_depths`` loads only the first depths (vLLM loads
+    and LM head as the very same Parameters (one that sits misaligned in a memory-mapped file is moved, in place, to
+    an aligned allocation of its own: the target keeps using it). ``num_depths`` loads only the first depths (vLLM loads
     min(depths, speculative tokens)). Every mismatch between config and files is reported at once.
     """
     hf_config, raw = read_config_json(path)
@@ -230,6 +231,9 @@ def _target_shared(target: nn.Module, config: MTPConfig) -> dict[str, nn.Paramet
     shared = {"embed_weight": embedding.weight, "lm_head_weight": target.get_output_embeddings().weight}
     if config.use_embed_norm:
         shared["embed_norm_weight"] = embedding.embed_norm.weight
+    for param in shared.values():  # transformers' mmap loading leaves these misaligned too: realign in place, so
+        with torch.no_grad():  # that the target (whose Parameter it stays) gets the faster layout as well
+            param.data = _aligned(param.data)
     return shared
 
 
