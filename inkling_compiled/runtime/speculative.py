@@ -70,7 +70,6 @@ capture). This module runs its own batched, seeded loop and uses ``generate`` as
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -177,13 +176,6 @@ def _verify_sampled(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, gener
 
 # --------------------------------------------------------------------------------------------------------------------
 # validation
-
-
-def _accepts_kwarg(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _as_eos_list(eos_token_id) -> list[int]:
@@ -300,8 +292,8 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     draft_ids = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
     result = drafter.draft(draft_ids, positions, hidden, temperature=draft_temperature, generator=generator)
     # Decode rounds only pass rows this loop built (positions < max_length, batch checked up front): skip the
-    # drafter's own input validation there when it offers to (it reads values, i.e. syncs).
-    round_kwargs = {"validate": False} if _accepts_kwarg(drafter.draft, "validate") else {}
+    # drafter's own input validation there (it reads values, i.e. syncs).
+    round_kwargs = {"validate": False}
     last = first  # x_F, the last committed token (not yet in the target cache)
     last_pos = positions[:, -1] + 1  # F per sequence
     mask = attention_mask

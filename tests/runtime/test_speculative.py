@@ -70,7 +70,7 @@ class StandInDrafter:
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.history: list[dict[int, int]] = []  # per row: real position -> token, from the rows fed
 
-    def draft(self, input_ids, positions, hidden, *, temperature=0.0, generator=None):
+    def draft(self, input_ids, positions, hidden, *, temperature=0.0, generator=None, validate=True):
         assert input_ids.shape == positions.shape and hidden.shape[:2] == positions.shape
         assert input_ids.dtype == positions.dtype == torch.long
         batch = positions.shape[0]
