@@ -100,7 +100,6 @@ class Attention(nn.Module):
         if cache is None:
             keys, values, key_pos = k, v, positions
         else:
-            keys, values = cache.write_kv(k, v, positions)
-            key_pos = cache.key_positions[None, :].expand(batch, -1)
+            keys, values, key_pos = cache.write_kv(k, v, positions, g.window)
         out = relative_attention(q, keys, values, rel, positions, key_pos, g.window, self.scale)
         return self.wo_ud(out.reshape(batch, seq, -1))

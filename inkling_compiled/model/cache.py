@@ -26,13 +26,27 @@ class DepthCache:
     conv_mlp: torch.Tensor  # [B, S, H]
     key_positions: torch.Tensor  # [S] = arange(S): the absolute position of each slot
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new rows at their positions; return every slot of the first ``B`` sequences."""
-        batch = k.shape[0]
-        rows = torch.arange(batch, device=k.device)[:, None].expand_as(positions)
-        self.k.index_put_((rows, positions), k)
-        self.v.index_put_((rows, positions), v)
-        return self.k[:batch], self.v[:batch]
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store the new rows at their positions; return (keys, values, key positions) the rows may attend to.
+
+        Full attention: every slot of the first ``B`` sequences. Sliding window W: only the W + T - 1 slots ending at
+        the call's last row (a sequence's real rows are consecutive positions), so a decode step reads W keys
+        whatever the context length. Slots before position 0 or past the scratch slot get a key position in the
+        future of every real row: causality masks them.
+        """
+        batch, seq = positions.shape
+        rows = torch.arange(batch, device=k.device)[:, None]
+        self.k.index_put_((rows.expand_as(positions), positions), k)
+        self.v.index_put_((rows.expand_as(positions), positions), v)
+        if window is None:
+            return self.k[:batch], self.v[:batch], self.key_positions[None, :].expand(batch, -1)
+        pad = self.key_positions.shape[0] - 1
+        first = torch.where(positions == pad, pad, positions).amin(dim=1, keepdim=True)  # earliest real row
+        slots = first - (window - 1) + torch.arange(window + seq - 1, device=k.device)  # [B, W + T - 1]
+        index = slots.clamp(0, pad)
+        key_positions = torch.where(slots < 0, pad + window + seq, slots)
+        return self.k[rows, index], self.v[rows, index], key_positions
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.conv_k, self.conv_v, self.conv_attn, self.conv_mlp]

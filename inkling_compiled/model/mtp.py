@@ -153,6 +153,12 @@ class InklingMTP(nn.Module):
                 raise ValueError(f"position {int(real.max())} is past the cache capacity: max_length is "
                                  f"{cache.max_length} (positions 0..{cache.max_length - 1}; "
                                  f"{cache.pad_position} marks padding rows)")
+            for row, row_positions in enumerate(positions.tolist()):
+                real_row = [p for p in row_positions if p != cache.pad_position]
+                if real_row != list(range(real_row[0], real_row[0] + len(real_row)) if real_row else []):
+                    raise ValueError(f"sequence {row}: positions {real_row} are not consecutive; with a cache the real "
+                                     f"rows of a sequence are consecutive positions ({cache.pad_position} marks "
+                                     "padding rows)")
             if cache.depths[0].k.device != self.device or cache.depths[0].k.dtype != self.dtype:
                 raise ValueError(f"cache is {cache.depths[0].k.dtype} on {cache.depths[0].k.device}, "
                                  f"the model {self.dtype} on {self.device}")

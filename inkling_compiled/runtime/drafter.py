@@ -132,7 +132,8 @@ class Drafter:
         if batch > self.max_batch_size:
             raise ValueError(f"batch of {batch} sequences exceeds the drafter's max_batch_size {self.max_batch_size}")
         # type / device / shape / id checks first: reading position values needs a real integer tensor
-        self.model.check_inputs(input_ids, positions.masked_fill(positions < 0, 0), hidden, self.cache)
+        self.model.check_inputs(input_ids, positions.masked_fill(positions < 0, self.cache.pad_position), hidden,
+                               self.cache)
         if int(positions.max()) >= self.max_length:
             raise ValueError(f"position {int(positions.max())} is past the cache capacity "
                              f"(max_length {self.max_length})")

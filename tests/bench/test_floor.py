@@ -46,12 +46,13 @@ def test_weight_gemms_are_the_depth0_projections_and_the_lm_head(recorded):
     assert (BATCH, 2 * c.intermediate_size, c.hidden_size) in got
 
 
-def test_activation_gemms_are_the_attention_over_every_cache_slot(recorded):
+def test_activation_gemms_are_the_attention_over_the_visible_cache_slots(recorded):
     model, gemms, _, _ = recorded
     g = model.config.depths[0]
     acts = [x for x in gemms if not x.weight]
     assert {x.name for x in acts} == {"bmm"}
-    slots = MAX_LENGTH + 1  # position-addressed cache: max_length slots + the padding scratch slot
+    # a sliding depth reads the W slots ending at the (one-row) step; a full depth every slot + the scratch slot
+    slots = g.window if g.window is not None else MAX_LENGTH + 1
     scores, values = sorted(acts, key=lambda x: x.mnk[2] == slots, reverse=True)
     group = g.num_heads // g.num_kv_heads
     assert scores.mnk == (BATCH * g.num_kv_heads, group, slots, g.head_dim)  # q . k over all slots

@@ -88,3 +88,24 @@ def test_bf16_close_to_fp32():
         assert rel < 0.02, rel
         logits_ref, logits = ref.compute_logits(want), bf.compute_logits(got)
         assert (logits.float() - logits_ref).abs().max() < 0.05 * logits_ref.abs().max()
+
+
+@torch.no_grad()
+def test_rows_of_a_sequence_must_be_consecutive():
+    model = random_mtp()
+    ids, pos, hidden = sequence()
+    cache = model.new_cache(2, 32)
+    with pytest.raises(ValueError, match=r"sequence 1: positions \[3, 5\] are not consecutive"):
+        model(ids[:, :2], torch.tensor([[3, 4], [3, 5]]), hidden[:, :2], cache=cache)
+
+
+@torch.no_grad()
+def test_sliding_depth_reads_only_its_window():
+    """A decode step of a sliding depth sees W + T - 1 key slots, not the whole cache (and still equals full)."""
+    model = random_mtp()
+    ids, pos, hidden = sequence(batch=1)
+    cache = model.new_cache(1, 512)
+    model(ids[:, :21], pos[:, :21], hidden[:, :21], cache=cache)
+    k = torch.zeros(1, 1, 2, 32)
+    keys, _, key_pos = cache.depths[0].write_kv(k, k, torch.tensor([[21]]), window=8)
+    assert keys.shape[1] == 8 and key_pos.tolist() == [list(range(14, 22))]
