@@ -70,7 +70,9 @@ class Drafter:
         on_cuda = model.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA model; this one is on {model.device}")
-        self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        if cuda_graphs and not compile:  # the eager forward validates its inputs by reading them: no capture
+            raise ValueError("cuda_graphs=True needs compile=True")
+        self.cuda_graphs = on_cuda and compile if cuda_graphs is None else cuda_graphs
         options = dict(fullgraph=True, dynamic=False, **(compile_options or {}))
         if not on_cuda:  # a C++ wrapper around the CPU kernels: ~30 us less per call than the Python wrapper
             options["options"] = {"cpp_wrapper": True, **options.get("options", {})}

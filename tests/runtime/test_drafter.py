@@ -72,6 +72,13 @@ def test_batch_sizes_share_a_bucket_and_large_batches_fall_back():
         assert torch.equal(result.tokens, model.get_top_tokens(model(ids, positions, hidden))[:, -1])
 
 
+def test_cuda_graph_options_are_checked():
+    model = random_mtp()
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA model"):
+        Drafter(model, 1, 8, cuda_graphs=True)
+    assert not Drafter(model, 1, 8, compile=False).cuda_graphs
+
+
 @torch.no_grad()
 def test_sampling_returns_the_muP_correct_distribution():
     model = random_mtp()
