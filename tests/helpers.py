@@ -35,3 +35,13 @@ def random_mtp(text_config: InklingTextConfig | None = None, seed: int = 0, dtyp
                **config_kwargs) -> InklingMTP:
     model = InklingMTP(MTPConfig.from_hf(text_config or tiny_text_config(), **config_kwargs))
     return randomize_(model, seed).to(dtype).eval().requires_grad_(False)
+
+
+def hidden_and_logits_step(mtp: InklingMTP, depth: int = 0):
+    """The function the pass tests compile: one depth over (ids, positions, hidden), then the muP head."""
+
+    def step(input_ids, positions, previous_hidden):
+        hidden = mtp(input_ids, positions, previous_hidden, depth=depth)
+        return hidden, mtp.compute_logits(hidden)
+
+    return step

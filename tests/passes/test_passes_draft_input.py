@@ -97,6 +97,15 @@ def test_ids_path_becomes_one_loop_nest(dtype, wdt, lead, hidden_first, shared, 
         torch.testing.assert_close(fused.output.float(), eager.float(), rtol=2e-2, atol=2e-2)
 
 
+def _assert_two_norm_fusion_makes_one_nest(block, *args):
+    """The two-norm fusion fires once, turns stock's 2 loop nests into 1, and changes no bit of the output."""
+    stock = compile_fresh(block, *args, passes=False)
+    fused = compile_fresh(block, *args, passes=True)
+    assert _fired(fused, draft_input=1)
+    assert (stock.stats.loop_nests, fused.stats.loop_nests) == (2, 1)
+    assert torch.equal(fused.output, stock.output)
+
+
 @pytest.mark.parametrize("dtype, lead, hidden_first", [(torch.bfloat16, (2, 7), True), (torch.float32, (7,), False)])
 def test_inputs_embeds_path_becomes_one_loop_nest(dtype, lead, hidden_first):
     hidden, _, _, _, w_h, w_e, embeds = _inputs(dtype, lead)
@@ -104,23 +113,13 @@ def test_inputs_embeds_path_becomes_one_loop_nest(dtype, lead, hidden_first):
     def block(hidden, embeds, w_h, w_e):  # multimodal: the embedding is an input, only the depth norms remain
         return draft_input(hidden, embeds, w_h, w_e, EPS, hidden_first)
 
-    args = (hidden, embeds, w_h, w_e)
-    stock = compile_fresh(block, *args, passes=False)
-    fused = compile_fresh(block, *args, passes=True)
-    assert _fired(fused, draft_input=1)
-    assert (stock.stats.loop_nests, fused.stats.loop_nests) == (2, 1)
-    assert torch.equal(fused.output, stock.output)
+    _assert_two_norm_fusion_makes_one_nest(block, hidden, embeds, w_h, w_e)
 
 
 def test_gather_without_backbone_norm_uses_the_two_norm_fusion():
     hidden, table, ids, w_pre, w_h, w_e, _ = _inputs(torch.float32, (2, 7))
     block = _depth_input(True, pre_norm=False)  # use_embed_norm=False: raw gather, inlined into the kernel
-    args = (hidden, table, ids, w_pre, w_h, w_e)
-    stock = compile_fresh(block, *args, passes=False)
-    fused = compile_fresh(block, *args, passes=True)
-    assert _fired(fused, draft_input=1)
-    assert (stock.stats.loop_nests, fused.stats.loop_nests) == (2, 1)
-    assert torch.equal(fused.output, stock.output)
+    _assert_two_norm_fusion_makes_one_nest(block, hidden, table, ids, w_pre, w_h, w_e)
 
 
 def test_symbolic_lengths_still_fire():

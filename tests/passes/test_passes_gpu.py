@@ -10,6 +10,7 @@ import torch
 from torch._inductor import config as inductor_config
 
 from inkling_compiled.passes.kernel_stats import compile_fresh
+from tests.helpers import hidden_and_logits_step
 
 from .test_passes_draft_input import EPS, _depth_input, _inputs
 from .test_passes_mup_head import MUP, VOCAB, compute_logits, get_top_tokens
@@ -86,9 +87,7 @@ def test_real_model_step_cuda_bf16():
     positions = torch.arange(5).expand(2, 5).cuda()
     previous = torch.randn(2, 5, mtp.config.hidden_size, generator=g).to(torch.bfloat16).cuda()
 
-    def step(ids, positions, previous):
-        hidden = mtp(ids, positions, previous, depth=0)
-        return hidden, mtp.compute_logits(hidden)
+    step = hidden_and_logits_step(mtp)
 
     stock = compile_fresh(step, ids, positions, previous, passes=False)
     fused = compile_fresh(step, ids, positions, previous, passes=True)

@@ -6,6 +6,7 @@ import torch
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.passes.kernel_stats import compile_fresh
+from tests.helpers import hidden_and_logits_step
 from inkling_compiled.synthetic import cached_checkpoint
 
 
@@ -26,9 +27,7 @@ def test_ids_step_and_top_tokens_fp32(checkpoint):
     mtp = InklingMTP.from_pretrained(checkpoint, dtype=torch.float32)
     ids, positions, previous = _rows(mtp, torch.float32)
 
-    def step(ids, positions, previous):
-        hidden = mtp(ids, positions, previous, depth=0)
-        return hidden, mtp.compute_logits(hidden)
+    step = hidden_and_logits_step(mtp)
 
     stock = compile_fresh(step, ids, positions, previous, passes=False)
     fused = compile_fresh(step, ids, positions, previous, passes=True)
