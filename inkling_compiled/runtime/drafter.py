@@ -44,6 +44,7 @@ class _Shape:
         self.noise = torch.ones(batch, vocab, dtype=torch.float32, device=dev) if sampled else None
         self.inv_temperature = torch.ones(batch, 1, dtype=torch.float32, device=dev) if sampled else None
         self.compiled = False  # the step has run once for this shape (compiled, and captured where it applies)
+        self.written = (0, 0)  # (batch, rows) of the last call: the positions beyond it are padding (-1)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, ...] | None = None
 
@@ -168,8 +169,9 @@ class Drafter:
             key = (*self.bucket(batch, rows), sampled)
             shape = self._shapes.get(key) or _Shape(self, *key)
             self._shapes[key] = self._shapes[(batch, rows, sampled)] = shape
-        if batch < shape.batch or rows < shape.rows:  # a smaller call reuses the buffers: reset its padding
+        if batch < shape.written[0] or rows < shape.written[1]:  # stale real rows would sit in this call's padding
             shape.positions.fill_(-1)
+        shape.written = (batch, rows)
         return shape
 
     def _execute(self, shape: _Shape) -> tuple[torch.Tensor, ...]:

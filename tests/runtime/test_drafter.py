@@ -66,7 +66,7 @@ def test_batch_sizes_share_a_bucket_and_large_batches_fall_back():
     model = random_mtp()
     drafter = Drafter(model, max_batch_size=6, max_length=64, compile=False, batch_buckets=(1, 2, 4))
     assert drafter.bucket(3, 1) == (4, 1) and drafter.bucket(5, 2) == (6, 2) and drafter.bucket(1, 11) == (1, 16)
-    for batch in (3, 4, 5):
+    for batch in (3, 4, 3, 5):  # 4 then 3 shares one bucket's buffers
         ids, positions, hidden = stream(batch, PROMPT)
         result = drafter.draft(ids, positions, hidden)
         assert torch.equal(result.tokens, model.get_top_tokens(model(ids, positions, hidden))[:, -1])
