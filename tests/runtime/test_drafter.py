@@ -100,6 +100,68 @@ def test_sampling_returns_the_muP_correct_distribution():
     assert ((counts / draws - p).abs() <= 4 * (p * (1 - p) / draws).sqrt() + 1 / draws).all()
 
 
+class ReplayGraph:
+    """A CPU stand-in with a CUDA graph's contract: ``replay()`` re-runs the captured step on the very tensors it was
+    captured with (new inputs reach it only through those buffers) and writes into the same output storage (outputs
+    handed out earlier are overwritten unless the caller copied them)."""
+
+    def __init__(self, step, args):
+        self.step, self.args = step, args
+        self.outputs = step(*args)
+
+    def replay(self):
+        for static, fresh in zip(self.outputs, self.step(*self.args)):
+            static.copy_(fresh)
+
+
+def emulate_graphs(monkeypatch, drafter):
+    """Run ``drafter``'s graph path on CPU: every shape it would capture gets a ReplayGraph instead."""
+
+    def capture(self, shape, step):
+        shape.graph = ReplayGraph(step, shape.args())
+        shape.outputs = shape.graph.outputs
+        shape.graph.replay()
+        return shape.outputs
+
+    monkeypatch.setattr(Drafter, "_capture", capture)
+    drafter.cuda_graphs = True
+    return drafter
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_graph_path_copies_inputs_in_and_hands_out_outputs_that_stay_valid(monkeypatch, temperature):
+    """The drafter's side of the CUDA-graph contract, on CPU: the same tokens, probabilities and hiddens as without
+    graphs, and every result still intact after later replays (a missed input copy or output clone fails here)."""
+    model = random_mtp()
+    model.lm_head_weight.mul_(300.0)  # peaked draft distributions: a wrong sample is visible in the tokens
+    ids, positions, hidden = stream(3, PROMPT + sum(WINDOWS))
+    graphs = emulate_graphs(monkeypatch, Drafter(model, max_batch_size=4, max_length=64, compile=False))
+    plain = Drafter(model, max_batch_size=4, max_length=64, compile=False)
+    with_graphs = run_decode(graphs, ids, positions, hidden, WINDOWS, temperature)
+    without = run_decode(plain, ids, positions, hidden, WINDOWS, temperature)
+    replayed = [key for key, shape in graphs._shapes.items() if shape.graph is not None]
+    assert {rows for _, rows, _ in replayed} == {1, 2}  # the decode windows ran as graphs, the prefill did not
+    for a, b in zip(with_graphs, without):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden, b.hidden)
+        assert (a.probs is None) == (temperature == 0) and (a.probs is None or torch.equal(a.probs, b.probs))
+
+
+@torch.no_grad()
+def test_graph_path_falls_back_beyond_the_largest_graph_bucket(monkeypatch):
+    model = random_mtp()
+    drafter = emulate_graphs(monkeypatch, Drafter(model, max_batch_size=6, max_length=64, compile=False,
+                                                  batch_buckets=(1, 2, 4)))
+    drafter.capture()
+    assert {key for key, shape in drafter._shapes.items() if shape.graph is not None} == {
+        (batch, rows, False) for batch in (1, 2, 4) for rows in (1, 2)}  # 6 exceeds the largest graph bucket
+    ids, positions, hidden = stream(5, PROMPT + 1)
+    drafter.draft(ids[:, :PROMPT], positions[:, :PROMPT], hidden[:, :PROMPT])
+    result = drafter.draft(ids[:, PROMPT:], positions[:, PROMPT:], hidden[:, PROMPT:])
+    assert not drafter.uses_graph(5, 1) and drafter._shapes[(6, 1, False)].graph is None
+    assert torch.equal(result.tokens, model.get_top_tokens(model(ids, positions, hidden))[:, -1])
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
