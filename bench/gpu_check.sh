@@ -15,6 +15,12 @@
 # each section, so a stage cut short keeps what it measured), RESULTS.md (entries to append to bench/RESULTS.md).
 #
 # Dry run on a CPU machine: BENCH_DEVICE=cpu FULL_CONFIG=tiny SMALL_CONFIG=tiny BENCH_EXTRA=--quick bash ...
+#
+# Packages the GPU image lacks travel as wheels in .whl/ (git-ignored), installed into a private folder first. The
+# image read on 2026-11-17 had transformers 5.17 (no Inkling classes; we need >= 5.23) and every other dependency,
+# so before calling the device tool, here:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0
+# and name .whl in the call's carry.
 set -u
 
 cd "$(dirname "$0")/.."
@@ -69,6 +75,15 @@ EOF
 
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 log "OUT=$OUT device=$DEVICE full=$FULL_CONFIG small=$SMALL_CONFIG extra=[$EXTRA]"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  SITE="${WHEEL_SITE:-/tmp/inkling_compiled_site}"
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl; then
+    export PYTHONPATH="$(pwd):$SITE${PYTHONPATH#"$(pwd)"}"
+    log "installed carried wheels into $SITE: $(cd .whl && ls *.whl | tr '\n' ' ')"
+  else
+    log "installing the carried wheels failed (continuing with the machine's packages)"
+  fi
+fi
 export -f env_report
 export PY
 stage env "$T_ENV" bash -c env_report  # timeout runs programs, not shell functions
