@@ -22,6 +22,9 @@ from ..model.mtp import InklingMTP
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 DEFAULT_GRAPH_ROWS = (1, 2)  # the K=1 decode windows: one row after a rejection, two after an acceptance
 RECOMPILE_LIMIT = 64  # one compiled graph per (batch bucket, row bucket, mode); raised only around our own calls
+# torch 2.11's C++ codegen emits a vectorized 2-D tile of the step's cache-write kernel that reads an index before
+# declaring it (CppCompileError: 'tmpNN' was not declared); scalar CPU code compiles and is correct. 2.13 is fine.
+CPU_CODEGEN_WORKAROUNDS = {"cpp.simdlen": 1} if torch.torch_version.TorchVersion(torch.__version__) < (2, 13) else {}
 
 
 @dataclass
@@ -76,7 +79,7 @@ class Drafter:
         self.cuda_graphs = on_cuda and compile if cuda_graphs is None else cuda_graphs
         options = dict(fullgraph=True, dynamic=False, **(compile_options or {}))
         if not on_cuda:  # a C++ wrapper around the CPU kernels: ~30 us less per call than the Python wrapper
-            options["options"] = {"cpp_wrapper": True, **options.get("options", {})}
+            options["options"] = {"cpp_wrapper": True, **CPU_CODEGEN_WORKAROUNDS, **options.get("options", {})}
         self._greedy = torch.compile(self._greedy_step, **options) if compile else self._greedy_step
         self._sampled = torch.compile(self._sampled_step, **options) if compile else self._sampled_step
         self._shapes: dict[tuple[int, int, bool], _Shape] = {}
