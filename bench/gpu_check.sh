@@ -88,7 +88,7 @@ export -f env_report
 export PY
 stage env "$T_ENV" bash -c env_report  # timeout runs programs, not shell functions
 if [ "$DEVICE" = "cuda" ]; then
-  stage tests "$T_TESTS" "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts=""
+  stage tests "$T_TESTS" "$PY" -m pytest -m gpu -v -rfE --durations=20 -p no:cacheprovider -o addopts=""
 fi
 # full: the GPU goal (CUDA-graph step vs HBM floor); no compile subprocesses (small covers compile times)
 stage full "$T_FULL" "$PY" -m bench.run --config "$FULL_CONFIG" --device "$DEVICE" --weights random \
