@@ -62,6 +62,25 @@ def test_no_recompiles_over_64_decode_steps():
 
 
 @torch.no_grad()
+def test_batch_sizes_within_a_bucket_share_one_compiled_step():
+    model = random_mtp()
+    drafter = Drafter(model, max_batch_size=4, max_length=64, batch_buckets=(1, 2, 4))
+    ids, positions, hidden = stream(4, PROMPT + 4)
+
+    def step(batch, column):
+        col = slice(column, column + 1)
+        return drafter.draft(ids[:batch, col], positions[:batch, col], hidden[:batch, col]).tokens
+
+    drafter.draft(ids[:, :PROMPT], positions[:, :PROMPT], hidden[:, :PROMPT])
+    step(3, PROMPT)  # compiles the (4 sequences, 1 row) shape
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        tokens = [step(batch, PROMPT + i) for i, batch in enumerate((4, 3, 4), start=1)]
+    expected = model.get_top_tokens(model(ids, positions, hidden))
+    for i, (batch, got) in enumerate(zip((4, 3, 4), tokens), start=1):
+        assert torch.equal(got, expected[:batch, PROMPT + i])
+
+
+@torch.no_grad()
 def test_batch_sizes_share_a_bucket_and_large_batches_fall_back():
     model = random_mtp()
     drafter = Drafter(model, max_batch_size=6, max_length=64, compile=False, batch_buckets=(1, 2, 4))
