@@ -202,6 +202,18 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
         raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
+    target_device = next(target.parameters()).device
+    if input_ids.device != target_device:
+        raise ValueError(f"input_ids are on {input_ids.device}, the target on {target_device}")
+    draft_device = getattr(getattr(drafter, "model", None), "device", target_device)
+    if draft_device != target_device:
+        raise ValueError(f"the drafter's model is on {draft_device}, the target on {target_device}")
+    text = _text_config(target)
+    # every id is embedded, padding included: one outside the table is an index error (on CUDA, a device assert)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= text.vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids hold token id {bad}, outside the target's vocabulary [0, {text.vocab_size})")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids, dtype=torch.long)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
@@ -225,11 +237,14 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
         raise ValueError(
             f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} - 1 exceeds the drafter's max_length "
             f"{drafter.max_length}; build the Drafter with max_length >= {longest + max_new_tokens - 1}")
-    text = _text_config(target)
     logits_vocab = text.unpadded_vocab_size or text.vocab_size
-    draft_vocab = getattr(getattr(getattr(drafter, "model", None), "config", None), "logits_vocab_size", None)
+    draft_config = getattr(getattr(drafter, "model", None), "config", None)
+    draft_vocab = getattr(draft_config, "logits_vocab_size", None)
     if draft_vocab is not None and draft_vocab != logits_vocab:
         raise ValueError(f"drafter logits vocabulary {draft_vocab} != target logits vocabulary {logits_vocab}")
+    draft_hidden = getattr(draft_config, "hidden_size", None)
+    if draft_hidden is not None and draft_hidden != text.hidden_size:
+        raise ValueError(f"drafter hidden size {draft_hidden} != target hidden size {text.hidden_size}")
     return input_ids.long(), attention_mask
 
 

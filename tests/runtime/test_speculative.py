@@ -15,8 +15,11 @@ import pytest
 import torch
 from transformers import DynamicCache, InklingForCausalLM, InklingTextConfig
 
-from inkling_compiled.runtime import speculative
+from inkling_compiled import InklingMTP, synthetic
+from inkling_compiled.generate import main as generate_cli
+from inkling_compiled.runtime import Drafter, speculative
 from inkling_compiled.runtime.speculative import speculative_generate, target_distribution
+from tests.helpers import random_mtp, tiny_text_config
 
 PAD = 0
 
@@ -394,6 +397,9 @@ class ExplodingDrafter(StandInDrafter):
     (dict(right_padded=True), "left-padded"),
     (dict(temperature=-1.0), "temperature must be"),
     (dict(top_p=0.0), "top_p must be in"),
+    (dict(token=-1), r"token id -1, outside the target's vocabulary \[0, 128\)"),
+    (dict(token=128), r"token id 128, outside the target's vocabulary \[0, 128\)"),
+    (dict(device="meta"), "input_ids are on meta, the target on cpu"),
 ])
 def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, match):
     def boom(*args, **kwargs):
@@ -402,7 +408,10 @@ def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, mat
     monkeypatch.setattr(speculative, "_target_step", boom)
     batch, prompt_len = case.get("batch", 1), case.get("prompt_len", 4)
     ids = torch.randint(1, 100, (batch, prompt_len))
+    if "token" in case:
+        ids[0, 1] = case["token"]
     mask = torch.ones_like(ids)
+    ids = ids.to(case.get("device", "cpu"))
     if case.get("right_padded"):
         mask[:, -1] = 0
     drafter = ExplodingDrafter(120, max_batch_size=2, max_length=12)
@@ -411,14 +420,20 @@ def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, mat
                              temperature=case.get("temperature", 0.0), top_p=case.get("top_p", 1.0))
 
 
+@pytest.mark.parametrize("overrides,match", [
+    (dict(vocab_size=256, unpadded_vocab_size=250), "drafter logits vocabulary 250 != target logits vocabulary 120"),
+    (dict(vocab_size=128, unpadded_vocab_size=120, hidden_size=32), "drafter hidden size 32 != target hidden size 64"),
+])
+def test_a_drafter_built_for_another_model_is_rejected(target, overrides, match):
+    drafter = Drafter(random_mtp(tiny_text_config(**overrides)), max_batch_size=1, max_length=16, compile=False)
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
+
+
 # ------------------------------------------------------------------------- real drafter, synthetic checkpoint, CLI
 
 def test_real_drafter_with_conditional_generation_target():
     """End to end with the lead's Drafter (eager) on the tiny synthetic checkpoint (multimodal target, text only)."""
-    synthetic = pytest.importorskip("inkling_compiled.synthetic")
-    from inkling_compiled import InklingMTP
-    from inkling_compiled.runtime.drafter import Drafter
-
     path = synthetic.cached_checkpoint("tiny")
     target = synthetic.load_hf_target(path)
     drafter = Drafter(InklingMTP.from_pretrained(path, target=target), max_batch_size=4, max_length=32,
@@ -435,10 +450,7 @@ def test_real_drafter_with_conditional_generation_target():
 
 
 def test_cli_smoke(capsys):
-    pytest.importorskip("inkling_compiled.synthetic")
-    from inkling_compiled.generate import main
-
-    code = main(["--no-compile", "--no-warmup", "--check", "--batch", "2", "--ragged", "--prompt-len", "6",
-                 "--max-new-tokens", "5", "--ignore-eos"])
+    code = generate_cli(["--no-compile", "--no-warmup", "--check", "--batch", "2", "--ragged", "--prompt-len", "6",
+                         "--max-new-tokens", "5", "--ignore-eos"])
     printed = capsys.readouterr().out
     assert code == 0 and "greedy generate() match: True" in printed and "acceptance rate" in printed
