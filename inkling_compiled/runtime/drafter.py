@@ -114,6 +114,8 @@ class Drafter:
         """
         if validate:
             self.check(input_ids, positions, hidden)
+            if not 0.0 <= temperature < float("inf"):
+                raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
         batch, rows = positions.shape
         shape = self._shape(batch, rows, temperature > 0)
         exact = batch == shape.batch and rows == shape.rows  # no padding: skip the slicing (it costs per call)

@@ -103,6 +103,12 @@ def test_one_dimensional_positions_drafter(drafter, inputs):
         drafter.draft(ids, positions[0], hidden)
 
 
+@pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf")])
+def test_drafter_temperature_must_be_finite_and_non_negative(drafter, inputs, temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        drafter.draft(*inputs, temperature=temperature)
+
+
 def test_positions_not_a_tensor_drafter(drafter, inputs):
     ids, positions, hidden = inputs
     with pytest.raises(ValueError, match=r"positions must be a \[batch, rows\] tensor, got list"):
