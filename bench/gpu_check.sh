@@ -34,7 +34,7 @@ EXTRA="${BENCH_EXTRA:-}"
 T_ENV="${T_ENV:-60}" T_TESTS="${T_TESTS:-110}" T_FULL="${T_FULL:-140}" T_SMALL="${T_SMALL:-150}"
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
-export INKLING_COMPILED_CACHE="${INKLING_COMPILED_CACHE:-/tmp/inkling_compiled/checkpoints}"  # not under $OUT: it is copied back
+export INKLING_COMPILED_CACHE="${INKLING_COMPILED_CACHE:-/tmp/inkling_compiled_checkpoints}"  # not under $OUT: it is copied back
 
 log() { echo "[gpu_check $(( $(date +%s) - START ))s] $*" | tee -a "$OUT/gpu_check.log"; }
 
