@@ -11,6 +11,7 @@
 #          kernel counts, bytes read vs measured copy bandwidth
 #   small  the benchmark at `small` (H 1024, V 32000), bf16, a synthetic checkpoint shared with transformers:
 #          cold / warm compile + CUDA-graph capture in subprocesses, kernels, latency
+# STAGES=tests,full (comma-separated) runs only those stages: a rerun after a fix need not repeat the rest.
 # Everything lands in $OUT: gpu_check.log (summary), <stage>.log, bench_full.json, bench_small.json (written after
 # each section, so a stage cut short keeps what it measured), RESULTS.md (entries to append to bench/RESULTS.md).
 #
@@ -38,9 +39,12 @@ export INKLING_COMPILED_CACHE="${INKLING_COMPILED_CACHE:-/tmp/inkling_compiled_c
 
 log() { echo "[gpu_check $(( $(date +%s) - START ))s] $*" | tee -a "$OUT/gpu_check.log"; }
 
+STAGES="${STAGES:-env,tests,full,small}"  # a rerun after a fix can name only the stages it needs, e.g. STAGES=tests
+
 stage() {  # stage NAME LIMIT_SECONDS COMMAND...
   local name=$1 limit=$2 rc
   shift 2
+  case ",$STAGES," in *",$name,"*) ;; *) log "stage $name: not in STAGES=$STAGES, skipped"; return 0 ;; esac
   log "stage $name (limit ${limit}s): $*"
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   rc=$?
