@@ -210,7 +210,7 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
         raise ValueError(f"the drafter's model is on {draft_device}, the target on {target_device}")
     text = _text_config(target)
     # every id is embedded, padding included: one outside the table is an index error (on CUDA, a device assert)
-    low, high = int(input_ids.min()), int(input_ids.max())
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync for both
     if low < 0 or high >= text.vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"input_ids hold token id {bad}, outside the target's vocabulary [0, {text.vocab_size})")
