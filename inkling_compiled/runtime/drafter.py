@@ -27,6 +27,12 @@ RECOMPILE_LIMIT = 64  # one compiled graph per (batch bucket, row bucket, mode);
 CPU_CODEGEN_WORKAROUNDS = {"cpp.simdlen": 1} if torch.torch_version.TorchVersion(torch.__version__) < (2, 13) else {}
 
 
+def check_temperature(temperature) -> None:
+    """ValueError unless ``temperature`` is a finite number >= 0 (0 means greedy)."""
+    if not isinstance(temperature, (int, float)) or not 0.0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+
+
 @dataclass
 class DraftResult:
     tokens: torch.Tensor  # [B] drafted token ids
@@ -114,8 +120,7 @@ class Drafter:
         """
         if validate:
             self.check(input_ids, positions, hidden)
-            if not 0.0 <= temperature < float("inf"):
-                raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+            check_temperature(temperature)
         batch, rows = positions.shape
         shape = self._shape(batch, rows, temperature > 0)
         exact = batch == shape.batch and rows == shape.rows  # no padding: skip the slicing (it costs per call)
@@ -142,9 +147,9 @@ class Drafter:
         # type / device / shape / id checks first: reading position values needs a real integer tensor
         self.model.check_inputs(input_ids, positions.masked_fill(positions < 0, self.cache.pad_position), hidden,
                                self.cache)
-        if int(positions.max()) >= self.max_length:
-            raise ValueError(f"position {int(positions.max())} is past the cache capacity "
-                             f"(max_length {self.max_length})")
+        last = int(positions.max())  # the one a cache check above cannot see: pad_position itself
+        if last >= self.max_length:
+            raise ValueError(f"position {last} is past the cache capacity (max_length {self.max_length})")
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph shape for ``batch_sizes`` now; returns the seconds it took."""

@@ -75,6 +75,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from .drafter import check_temperature
+
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
 
 
@@ -193,8 +195,7 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     """Check everything before any model call; return (input_ids, attention_mask) as int64 tensors."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0.0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    check_temperature(temperature)
     if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
