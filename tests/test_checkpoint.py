@@ -515,9 +515,9 @@ def test_chain_norm_enabled_and_present_loads(broken):
     (lambda raw: raw["mtp_config"].update(num_nextn_predict_layers=0), r"config has no MTP depths \(num_mtp_layers=0"),
     (lambda raw: raw["mtp_config"].update(local_layer_ids=[0, 2]), r"mtp_local_layer_ids \[2\] out of range for 2"),
     (lambda raw: raw["text_config"].update(logits_mup_width_multiplier=0.0),
-     r"logits_mup_width_multiplier must be positive, got 0\.0"),
+     r"logits_mup_width_multiplier must be > 0, got 0\.0"),
     (lambda raw: raw["text_config"].update(logits_mup_width_multiplier=-24.0),
-     r"logits_mup_width_multiplier must be positive, got -24\.0"),
+     r"logits_mup_width_multiplier must be > 0, got -24\.0"),
     (lambda raw: raw["text_config"].update(unpadded_vocab_size=513),
      r"unpadded_vocab_size 513 must be in \(0, vocab_size=512\]"),
 ], ids=["relu2", "no-mtp-config", "zero-depths", "local-id-range", "mup-zero", "mup-negative", "unpadded-gt-vocab"])
