@@ -93,7 +93,8 @@ class MTPConfig:
         unpadded = text.unpadded_vocab_size
         if unpadded is not None and unpadded > text.vocab_size:
             raise ConfigError(f"unpadded_vocab_size {unpadded} must be in (0, vocab_size={text.vocab_size}]")
-        depths = tuple(_depth_geometry(text, i in local, mtp_log_scaling) for i in range(n))
+        sliding = set(local)
+        depths = tuple(_depth_geometry(text, i in sliding, mtp_log_scaling) for i in range(n))
         return cls(
             hidden_size=text.hidden_size,
             vocab_size=text.vocab_size,
@@ -141,11 +142,12 @@ _KINDS = {int: ("an int", _is_int), float: ("a number", _is_number), bool: ("a b
 
 @dataclass(frozen=True)
 class FieldRule:
-    """What one config field must hold: its kind (``int``; ``float`` = any finite real number; ``bool``), a lower
-    bound (``minimum`` inclusive, ``above`` exclusive) and whether None is allowed."""
+    """What one config field must hold: its kind (``int``; ``float`` = any finite real number; ``bool``), bounds
+    (``minimum`` / ``maximum`` inclusive, ``above`` exclusive) and whether None is allowed."""
 
     kind: type
     minimum: int | None = None
+    maximum: int | None = None
     above: float | None = None
     optional: bool = False
 
@@ -160,17 +162,21 @@ class FieldRule:
             return f"{name} must be finite, got {value!r}"
         if self.minimum is not None and value < self.minimum:
             return f"{name} must be >= {self.minimum}, got {value!r}"
+        if self.maximum is not None and value > self.maximum:
+            return f"{name} must be <= {self.maximum}, got {value!r}"
         if self.above is not None and not value > self.above:
             return f"{name} must be > {self.above:g}, got {value!r}"
         return None
 
 
+MAX_DEPTHS = 1024
 _COUNT = FieldRule(int, minimum=1)
 _POSITIVE = FieldRule(float, above=0)
 _FLAG = FieldRule(bool)
 # Every InklingTextConfig field the draft head reads, and what it must hold.
 FIELD_RULES: dict[str, FieldRule] = {
-    "num_mtp_layers": _COUNT,
+    # more depths than any draft head has; a corrupt count must not build a billion modules before failing
+    "num_mtp_layers": FieldRule(int, minimum=1, maximum=MAX_DEPTHS),
     "hidden_size": _COUNT,
     "vocab_size": _COUNT,
     "unpadded_vocab_size": FieldRule(int, minimum=1, optional=True),
@@ -248,16 +254,21 @@ def read_config_json(path: str | os.PathLike) -> tuple[InklingConfig | InklingTe
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
     raw = read_json_object(file, ConfigError)
+    return parse_config_dict(raw, file), raw
+
+
+def parse_config_dict(raw: dict, where) -> InklingConfig | InklingTextConfig:
+    """A config.json dict as transformers' Inkling config class; ConfigError naming ``where`` if it is none."""
     model_type = raw.get("model_type")
     classes = {InklingConfig.model_type: InklingConfig, InklingTextConfig.model_type: InklingTextConfig}
     if model_type not in classes:
         raise ConfigError(
-            f"{file}: model_type {model_type!r} is not an Inkling config "
+            f"{where}: model_type {model_type!r} is not an Inkling config "
             f"(expected {InklingConfig.model_type!r} or {InklingTextConfig.model_type!r})"
         )
     # from_dict writes the promoted mtp_config fields into the nested text_config dict: parse a copy, so that
-    # `raw` stays the file as read
+    # `raw` stays as given
     try:
-        return classes[model_type].from_dict(copy.deepcopy(raw)), raw
+        return classes[model_type].from_dict(copy.deepcopy(raw))
     except Exception as e:  # transformers' parsing fails in many ways (strict field types, a section not an object)
-        raise ConfigError(f"{file}: transformers cannot parse it: {e}") from e
+        raise ConfigError(f"{where}: transformers cannot parse it: {e}") from e

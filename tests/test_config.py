@@ -151,6 +151,7 @@ UNWORKABLE = [
     ("log_scaling_n_floor", 0, "log_scaling_n_floor must be >= 1, got 0"),
     ("log_scaling_alpha", NAN, "log_scaling_alpha must be finite, got nan"),
     ("log_scaling_alpha", -INF, "log_scaling_alpha must be finite, got -inf"),
+    ("num_mtp_layers", 10**9, "num_mtp_layers must be <= 1024, got 1000000000"),
 ]
 # values a transformers without strict field types (or an extra field it does not type) lets through
 MISTYPED = [
