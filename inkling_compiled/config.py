@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import InklingConfig, InklingTextConfig
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+CONFIG_FILE = "config.json"
 
 
 class ConfigError(ValueError):
@@ -60,53 +63,144 @@ class MTPConfig:
 
     @classmethod
     def from_hf(cls, config, *, mtp_log_scaling: bool = False, raw: dict | None = None) -> MTPConfig:
-        """Build from an ``InklingConfig`` or ``InklingTextConfig``.
+        """Build from an ``InklingConfig`` or ``InklingTextConfig``, rejecting every value the head cannot work with.
 
         ``mtp_log_scaling`` applies tau on full-attention depths (SGLang / transformers); the default follows vLLM
         and tokenspeed, which do not pass tau into the MTP block (spec §8 item 18).
         """
+        if not isinstance(mtp_log_scaling, bool):
+            raise TypeError(f"mtp_log_scaling must be a bool, got {mtp_log_scaling!r}")
         text = config.get_text_config() if isinstance(config, InklingConfig) else config
         if not isinstance(text, InklingTextConfig):
             raise ConfigError(f"expected an InklingConfig or InklingTextConfig, got {type(config).__name__}")
         n = text.num_mtp_layers
-        if not n or n < 1:
+        if n is None or _is_int(n) and n < 1:
             raise ConfigError(
                 f"config has no MTP depths (num_mtp_layers={n!r}; mtp_config.num_nextn_predict_layers must be >= 1)"
             )
+        fields = {name: getattr(text, name, FIELD_DEFAULTS.get(name)) for name in FIELD_RULES}
+        problems = [p for name, rule in FIELD_RULES.items() if (p := rule.problem(name, fields[name])) is not None]
+        if problems:
+            raise ConfigError("; ".join(problems))
         local = list(text.mtp_local_layer_ids or [])
-        bad = [i for i in local if not 0 <= i < n]
+        bad = [i for i in local if not (_is_int(i) and 0 <= i < n)]
         if bad:
             raise ConfigError(f"mtp_local_layer_ids {bad} out of range for {n} MTP depths")
         if text.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(f"unsupported hidden_act {text.hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
         if getattr(text, "final_logit_softcapping", None) is not None:
             raise ConfigError("final_logit_softcapping is not supported together with the muP LM head")
-        mup = text.logits_mup_width_multiplier
-        if mup is None or mup <= 0:
-            raise ConfigError(f"logits_mup_width_multiplier must be positive, got {mup!r}")
         unpadded = text.unpadded_vocab_size
-        if unpadded is not None and not 0 < unpadded <= text.vocab_size:
+        if unpadded is not None and unpadded > text.vocab_size:
             raise ConfigError(f"unpadded_vocab_size {unpadded} must be in (0, vocab_size={text.vocab_size}]")
-        depths = tuple(_depth_geometry(text, i in local, mtp_log_scaling) for i in range(n))
+        sliding = set(local)
+        depths = tuple(_depth_geometry(text, i in sliding, mtp_log_scaling) for i in range(n))
         return cls(
             hidden_size=text.hidden_size,
             vocab_size=text.vocab_size,
-            logits_vocab_size=unpadded or text.vocab_size,
-            rms_norm_eps=text.rms_norm_eps,
+            logits_vocab_size=logits_vocab_size(text),
+            rms_norm_eps=float(text.rms_norm_eps),
             depths=depths,
             d_rel=text.d_rel,
             conv_kernel_size=text.conv_kernel_size,
             intermediate_size=text.intermediate_size,
             hidden_act=text.hidden_act,
-            mup=float(mup),
-            chain_hidden_post_norm=bool(text.chain_hidden_post_norm),
-            hidden_states_first=bool(text.mtp_hidden_states_first),
-            use_embed_norm=bool(getattr(text, "use_embed_norm", True)),
-            use_global_scale=bool(getattr(text, "use_global_scale", True)),
+            mup=float(text.logits_mup_width_multiplier),
+            chain_hidden_post_norm=fields["chain_hidden_post_norm"],
+            hidden_states_first=fields["mtp_hidden_states_first"],
+            use_embed_norm=fields["use_embed_norm"],
+            use_global_scale=fields["use_global_scale"],
             log_scaling_n_floor=text.log_scaling_n_floor,
-            log_scaling_alpha=text.log_scaling_alpha,
+            log_scaling_alpha=float(text.log_scaling_alpha),
             raw=raw if raw is not None else config.to_dict(),
         )
+
+
+def logits_vocab_size(config) -> int:
+    """Logits an Inkling config (transformers') keeps: ``unpadded_vocab_size`` (real tokens), else ``vocab_size``."""
+    text = config.get_text_config()
+    return text.unpadded_vocab_size or text.vocab_size
+
+
+# ------------------------------------------------------------------------------------------------ field rules
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
+
+
+_KINDS = {int: ("an int", _is_int), float: ("a number", _is_number), bool: ("a bool", _is_bool)}
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What one config field must hold: its kind (``int``; ``float`` = any finite real number; ``bool``), bounds
+    (``minimum`` / ``maximum`` inclusive, ``above`` exclusive) and whether None is allowed."""
+
+    kind: type
+    minimum: int | None = None
+    maximum: int | None = None
+    above: float | None = None
+    optional: bool = False
+
+    def problem(self, name: str, value) -> str | None:
+        """What is wrong with ``value``, naming the field and the value; None if the rule holds."""
+        if value is None and self.optional:
+            return None
+        kind, holds = _KINDS[self.kind]
+        if not holds(value):
+            return f"{name} must be {kind}{' or None' if self.optional else ''}, got {value!r}"
+        if self.kind is not bool and not math.isfinite(value):
+            return f"{name} must be finite, got {value!r}"
+        if self.minimum is not None and value < self.minimum:
+            return f"{name} must be >= {self.minimum}, got {value!r}"
+        if self.maximum is not None and value > self.maximum:
+            return f"{name} must be <= {self.maximum}, got {value!r}"
+        if self.above is not None and not value > self.above:
+            return f"{name} must be > {self.above:g}, got {value!r}"
+        return None
+
+
+MAX_DEPTHS = 1024
+_COUNT = FieldRule(int, minimum=1)
+_POSITIVE = FieldRule(float, above=0)
+_FLAG = FieldRule(bool)
+# Every InklingTextConfig field the draft head reads, and what it must hold.
+FIELD_RULES: dict[str, FieldRule] = {
+    # more depths than any draft head has; a corrupt count must not build a billion modules before failing
+    "num_mtp_layers": FieldRule(int, minimum=1, maximum=MAX_DEPTHS),
+    "hidden_size": _COUNT,
+    "vocab_size": _COUNT,
+    "unpadded_vocab_size": FieldRule(int, minimum=1, optional=True),
+    "num_attention_heads": _COUNT,
+    "num_key_value_heads": _COUNT,
+    "head_dim": _COUNT,
+    "swa_num_attention_heads": _COUNT,
+    "swa_num_key_value_heads": _COUNT,
+    "swa_head_dim": _COUNT,
+    "sliding_window_size": _COUNT,
+    "rel_extent": _COUNT,
+    "d_rel": _COUNT,
+    "conv_kernel_size": _COUNT,
+    "intermediate_size": _COUNT,
+    "rms_norm_eps": _POSITIVE,
+    "logits_mup_width_multiplier": _POSITIVE,
+    "log_scaling_n_floor": FieldRule(int, minimum=1, optional=True),
+    "log_scaling_alpha": FieldRule(float),
+    "chain_hidden_post_norm": _FLAG,
+    "mtp_hidden_states_first": _FLAG,
+    "use_embed_norm": _FLAG,
+    "use_global_scale": _FLAG,
+}
+FIELD_DEFAULTS = {"use_embed_norm": True, "use_global_scale": True}  # not InklingTextConfig fields: on unless set
 
 
 def _depth_geometry(text: InklingTextConfig, sliding: bool, mtp_log_scaling: bool) -> DepthGeometry:
@@ -116,8 +210,6 @@ def _depth_geometry(text: InklingTextConfig, sliding: bool, mtp_log_scaling: boo
     else:
         heads, kv, dim = text.num_attention_heads, text.num_key_value_heads, text.head_dim
         window, extent = None, text.rel_extent
-    if kv < 1:
-        raise ConfigError(f"{'swa_' if sliding else ''}num_key_value_heads must be >= 1, got {kv}")
     if heads % kv:
         raise ConfigError(f"{'swa_' if sliding else ''}num_attention_heads={heads} is not a multiple of kv heads={kv}")
     return DepthGeometry(
@@ -131,21 +223,52 @@ def _depth_geometry(text: InklingTextConfig, sliding: bool, mtp_log_scaling: boo
     )
 
 
+# ------------------------------------------------------------------------------------------------ config.json
+
+
+def read_json_object(file: Path, error: type[ValueError]) -> dict:
+    """The JSON object held in ``file``. Anything else (bytes that are not UTF-8, invalid JSON, a key given twice in
+    one object, a top level that is not an object) raises ``error`` naming the file and the problem."""
+
+    def no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+        keys = [k for k, _ in pairs]
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise error(f"{file}: key(s) {repeated} given twice in one JSON object (which one is meant?)")
+        return dict(pairs)
+
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"), object_pairs_hook=no_repeated_keys)
+    except UnicodeDecodeError as e:
+        raise error(f"{file}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise error(f"{file}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    if not isinstance(data, dict):
+        raise error(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_config_json(path: str | os.PathLike) -> tuple[InklingConfig | InklingTextConfig, dict]:
     """Parse ``path/config.json`` (``inkling_mm_model`` or ``inkling_text``) with transformers' classes."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no config.json in {path}")
-    with open(file) as f:
-        raw = json.load(f)
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
+    raw = read_json_object(file, ConfigError)
+    return parse_config_dict(raw, file), raw
+
+
+def parse_config_dict(raw: dict, where) -> InklingConfig | InklingTextConfig:
+    """A config.json dict as transformers' Inkling config class; ConfigError naming ``where`` if it is none."""
     model_type = raw.get("model_type")
+    classes = {InklingConfig.model_type: InklingConfig, InklingTextConfig.model_type: InklingTextConfig}
+    if model_type not in classes:
+        raise ConfigError(
+            f"{where}: model_type {model_type!r} is not an Inkling config "
+            f"(expected {InklingConfig.model_type!r} or {InklingTextConfig.model_type!r})"
+        )
     # from_dict writes the promoted mtp_config fields into the nested text_config dict: parse a copy, so that
-    # `raw` stays the file as read
-    if model_type == InklingConfig.model_type:
-        return InklingConfig.from_dict(copy.deepcopy(raw)), raw
-    if model_type == InklingTextConfig.model_type:
-        return InklingTextConfig.from_dict(copy.deepcopy(raw)), raw
-    raise ConfigError(
-        f"{file}: model_type {model_type!r} is not an Inkling config "
-        f"(expected {InklingConfig.model_type!r} or {InklingTextConfig.model_type!r})"
-    )
+    # `raw` stays as given
+    try:
+        return classes[model_type].from_dict(copy.deepcopy(raw))
+    except Exception as e:  # transformers' parsing fails in many ways (strict field types, a section not an object)
+        raise ConfigError(f"{where}: transformers cannot parse it: {e}") from e

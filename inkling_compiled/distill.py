@@ -28,15 +28,14 @@ import os
 import shutil
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
-from .checkpoint import MTP_FILE
+from .checkpoint import CONFIG_FILE, INDEX_FILE, MTP_FILE, build_directory_atomically, read_header, stored_dtype
+from .config import logits_vocab_size
 
 FORMAT_VERSION = 1  # bump when the training recipe changes the written weights for the same arguments
 METRICS_FILE = "distill.json"
@@ -73,11 +72,6 @@ def target_hidden(target, tokens: torch.Tensor) -> torch.Tensor:
         return target.model(input_ids=tokens, attention_mask=mask).last_hidden_state
 
 
-def _logits_vocab(target) -> int:
-    text = target.config.get_text_config()
-    return text.unpadded_vocab_size or text.vocab_size
-
-
 def greedy_data(target, *, num_sequences: int, seq_len: int, prompt_len: int, seed: int, chunk: int = 64,
                 progress: bool = False) -> GreedyData:
     """Random prompts of ``prompt_len`` ids continued greedily by ``target`` to ``seq_len`` tokens (EOS suppressed
@@ -85,7 +79,7 @@ def greedy_data(target, *, num_sequences: int, seq_len: int, prompt_len: int, se
     if not 0 < prompt_len < seq_len:
         raise ValueError(f"need 0 < prompt_len < seq_len, got {prompt_len}, {seq_len}")
     gen = torch.Generator().manual_seed(seed)
-    vocab = _logits_vocab(target)
+    vocab = logits_vocab_size(target.config)
     device = target.lm_head.weight.device
     prompts = torch.randint(3, vocab, (num_sequences, prompt_len), generator=gen).to(device)
     config = target.generation_config.__class__.from_dict(target.generation_config.to_dict())
@@ -209,7 +203,7 @@ def train(mtp, data: GreedyData, *, steps: int, batch: int, lr: float, seed: int
 
 def _key(checkpoint_dir: Path, params: dict) -> str:
     parts = {"source": str(checkpoint_dir.resolve()), "params": params, "format": FORMAT_VERSION}
-    for name in ("config.json", "model.safetensors.index.json"):
+    for name in (CONFIG_FILE, INDEX_FILE):
         f = checkpoint_dir / name
         parts[name] = f.read_text() if f.is_file() else None
     mtp = checkpoint_dir / MTP_FILE
@@ -234,28 +228,25 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _stored_mtp(checkpoint_dir: Path) -> tuple[set[str], torch.dtype]:
-    with safe_open(str(checkpoint_dir / MTP_FILE), framework="pt") as f:
-        keys = set(f.keys())
-        dtype = f.get_slice(next(iter(sorted(keys)))).get_dtype()
-    return keys, {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[dtype]
+    file = checkpoint_dir / MTP_FILE
+    header = read_header(file)
+    return set(header), stored_dtype({k: dtype for k, (dtype, _) in header.items()}, file)
 
 
 def write_distilled(checkpoint_dir, mtp, out_dir, metrics: dict) -> Path:
     """Copy the target checkpoint (shards hard-linked) into ``out_dir`` with ``mtp.safetensors`` replaced by
     ``mtp``'s depths (raw layout, the stored dtype), atomically (temp sibling, then rename)."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    keys, stored_dtype = _stored_mtp(checkpoint_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    keys, mtp_dtype = _stored_mtp(checkpoint_dir)
+
+    def build(tmp: Path) -> None:
         for item in checkpoint_dir.iterdir():
             if item.name in (MTP_FILE, METRICS_FILE) or not item.is_file():
                 continue
             _link_or_copy(item, tmp / item.name)
         scratch = tmp / ".mtp"
         original_dtype = mtp.dtype
-        mtp.to(stored_dtype).save_pretrained(scratch, include_shared=False)
+        mtp.to(mtp_dtype).save_pretrained(scratch, include_shared=False)
         mtp.to(original_dtype)
         written, _ = _stored_mtp(scratch)
         if written != keys:
@@ -264,15 +255,8 @@ def write_distilled(checkpoint_dir, mtp, out_dir, metrics: dict) -> Path:
         os.replace(scratch / MTP_FILE, tmp / MTP_FILE)
         shutil.rmtree(scratch)
         (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not (out_dir / METRICS_FILE).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+    return build_directory_atomically(out_dir, build, complete=METRICS_FILE)
 
 
 def load_metrics(out_dir) -> dict:

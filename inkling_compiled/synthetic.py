@@ -17,8 +17,6 @@ import json
 import math
 import os
 import re
-import shutil
-import uuid
 import zlib
 from pathlib import Path
 
@@ -26,10 +24,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .checkpoint import CONFIG_FILE, INDEX_FILE, MTP_FILE, SHARED_FILE, SHARED_RAW_KEYS, build_directory_atomically
+
 FORMAT_VERSION = 1  # bump when the written bytes change for the same (config, seed, dtype)
-MTP_FILE = "mtp.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-SHARED_KEYS = ("model.llm.embed.weight", "model.llm.embed_norm.weight", "model.llm.unembed.weight")
 _MAX_SHARD_BYTES = 4 << 30
 # Stored in float32 whatever the checkpoint dtype, as in the real checkpoint (router bias / scale).
 _FP32_SUFFIXES = ("mlp.gate.bias", "mlp.gate.global_scale")
@@ -347,7 +344,7 @@ def write_checkpoint(path, config: dict, *, seed: int = 0, dtype: torch.dtype = 
             write(file, names, main_shapes)
             weight_map.update(dict.fromkeys(names, file))
     else:
-        write("model.safetensors", list(main_shapes), main_shapes)
+        write(SHARED_FILE, list(main_shapes), main_shapes)
     if mtp_shapes:
         write(MTP_FILE, list(mtp_shapes), mtp_shapes)
         weight_map.update(dict.fromkeys(mtp_shapes, MTP_FILE))
@@ -357,7 +354,7 @@ def write_checkpoint(path, config: dict, *, seed: int = 0, dtype: torch.dtype = 
         index = {"metadata": {"total_size": total, "total_parameters": sum(math.prod(s) for s in all_shapes.values())},
                  "weight_map": dict(sorted(weight_map.items()))}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 
@@ -378,21 +375,10 @@ def cached_checkpoint(preset: str, *, root=None, seed: int = 0, dtype: torch.dty
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = Path(root) if root is not None else default_cache_root()
     final = root / f"{preset}-{digest}"
-    if (final / "config.json").is_file():
+    if (final / CONFIG_FILE).is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{preset}-{digest}-{uuid.uuid4().hex[:8]}"
-    try:
-        write_checkpoint(tmp, config, seed=seed, dtype=dtype, sharded=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_directory_atomically(final, lambda tmp: write_checkpoint(tmp, config, seed=seed, dtype=dtype),
+                                      complete=CONFIG_FILE)
 
 
 # ----------------------------------------------------------------------------------------------------- loading
@@ -454,21 +440,21 @@ def mtp_reference_tensors(path) -> dict[str, torch.Tensor]:
     weight_map = _index_or_files(path)
     wanted: dict[str, list[str]] = {}
     for key, file in weight_map.items():
-        if key.startswith("model.mtp.") or key in SHARED_KEYS:
+        if key.startswith("model.mtp.") or key in SHARED_RAW_KEYS:
             wanted.setdefault(file, []).append(key)
     out = {}
     for file, keys in wanted.items():
         with safe_open(str(path / file), framework="pt") as f:
             for key in keys:
                 out[key] = f.get_tensor(key)
-    missing = [k for k in SHARED_KEYS if k not in out]
+    missing = [k for k in SHARED_RAW_KEYS if k not in out]
     if missing:
         raise KeyError(f"{path}: shared tensors not found: {missing}")
     return out
 
 
 __all__ = [
-    "FORMAT_VERSION", "PRESETS", "SHARED_KEYS", "cached_checkpoint", "default_cache_root", "full_config",
+    "FORMAT_VERSION", "PRESETS", "cached_checkpoint", "default_cache_root", "full_config",
     "hf_causal_lm_from", "load_hf_mtp", "load_hf_target", "mtp_reference_tensors", "preset_config",
     "raw_tensor_shapes", "small_config", "tiny_config", "write_checkpoint",
 ]

@@ -1,10 +1,15 @@
 """Raw Inkling checkpoint layout <-> ``InklingMTP`` (spec §3, design §2): exact loading (w13 de-interleave, per-depth
 rel-bias widths), reading only what the draft needs, sharing the target's tensors without copies, a bit-exact
-save/load round trip, and one clear message for every kind of broken checkpoint."""
+save/load round trip, one clear message for every kind of broken checkpoint or argument, and saves that are atomic
+(a failure at any file leaves the directory byte-for-byte as it was), keep an index true to what was written and
+never destroy tensors they do not own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -20,7 +25,7 @@ from inkling_compiled import synthetic as S
 
 from tests.helpers import random_mtp, tiny_text_config
 
-SHARED = set(S.SHARED_KEYS)
+SHARED = set(C.SHARED_RAW_KEYS)
 W13 = "transformer_block.mlp.w13_dn.weight"
 
 
@@ -312,6 +317,7 @@ def test_non_inkling_target(sharded, kind):
 
 
 def _assert_bit_exact(a: InklingMTP, b: InklingMTP) -> None:
+    assert a.config == b.config
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert pa.keys() == pb.keys()
     for name in pa:
@@ -515,9 +521,9 @@ def test_chain_norm_enabled_and_present_loads(broken):
     (lambda raw: raw["mtp_config"].update(num_nextn_predict_layers=0), r"config has no MTP depths \(num_mtp_layers=0"),
     (lambda raw: raw["mtp_config"].update(local_layer_ids=[0, 2]), r"mtp_local_layer_ids \[2\] out of range for 2"),
     (lambda raw: raw["text_config"].update(logits_mup_width_multiplier=0.0),
-     r"logits_mup_width_multiplier must be positive, got 0\.0"),
+     r"logits_mup_width_multiplier must be > 0, got 0\.0"),
     (lambda raw: raw["text_config"].update(logits_mup_width_multiplier=-24.0),
-     r"logits_mup_width_multiplier must be positive, got -24\.0"),
+     r"logits_mup_width_multiplier must be > 0, got -24\.0"),
     (lambda raw: raw["text_config"].update(unpadded_vocab_size=513),
      r"unpadded_vocab_size 513 must be in \(0, vocab_size=512\]"),
 ], ids=["relu2", "no-mtp-config", "zero-depths", "local-id-range", "mup-zero", "mup-negative", "unpadded-gt-vocab"])
@@ -552,5 +558,599 @@ def test_integer_mtp_tensors_rejected(broken_flat):
             t[k] = t[k].to(torch.int32)
 
     _edit_mtp(broken_flat, to_int)
-    with pytest.raises(CheckpointError, match=r"is stored as I32; MTP weights must be floating point"):
+    with pytest.raises(CheckpointError, match=r"40 tensor\(s\) stored in a dtype that is not F32/BF16/F16/F64: "
+                                              r"model\.mtp\.layers\.0\.embed_norm\.weight: I32"):
         InklingMTP.from_pretrained(broken_flat)
+
+
+# ------------------------------------------------------------------------------------------------ stored dtypes
+
+LAST = "model.mtp.layers.1.transformer_block.mlp_sconv.weight"  # sorts last: a check of the first key misses it
+
+
+@pytest.mark.parametrize("stored, name", [(torch.int8, "I8"), (torch.int64, "I64"), (torch.bool, "BOOL"),
+                                          (torch.complex64, "C64"), (torch.float8_e4m3fn, "F8_E4M3")])
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_one_non_floating_tensor_among_floats(broken, stored, name, dtype):
+    _edit_mtp(broken, lambda t: t.__setitem__(LAST, t[LAST].to(stored)))
+    with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) stored in a dtype that is not F32/BF16/F16/F64: "
+                                              rf"{re.escape(LAST)}: {name}$"):
+        InklingMTP.from_pretrained(broken, dtype=dtype)
+
+
+def test_non_floating_shared_tensor(broken_flat):
+    tensors = load_file(broken_flat / C.SHARED_FILE)
+    tensors["model.llm.unembed.weight"] = tensors["model.llm.unembed.weight"].to(torch.int16)
+    save_file(tensors, str(broken_flat / C.SHARED_FILE))
+    with pytest.raises(CheckpointError, match=r"model\.llm\.unembed\.weight: I16"):
+        InklingMTP.from_pretrained(broken_flat, dtype=torch.float32)
+
+
+def test_mixed_float_dtypes_need_a_dtype(broken, ref):
+    _edit_mtp(broken, lambda t: t.__setitem__(LAST, t[LAST].to(torch.float16)))
+    with pytest.raises(CheckpointError, match=r"the MTP tensors are stored in several dtypes \{'F16': 1, 'F32': 39\}; "
+                                              r"pass dtype= to load them all in one"):
+        InklingMTP.from_pretrained(broken)
+    mtp = InklingMTP.from_pretrained(broken, dtype=torch.float32)
+    assert {p.dtype for p in mtp.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("dtype, error, message", [
+    (torch.int8, ValueError, r"got torch\.int8"),
+    (torch.bool, ValueError, r"got torch\.bool"),
+    (torch.complex64, ValueError, r"got torch\.complex64"),
+    (torch.float8_e4m3fn, ValueError, r"got torch\.float8_e4m3fn"),
+    ("bfloat16", TypeError, r"got str 'bfloat16'"),
+    (16, TypeError, r"got int 16"),
+])
+def test_dtype_must_be_a_supported_float(sharded, dtype, error, message):
+    with pytest.raises(error, match=r"^dtype must be None or one of \['torch\.bfloat16', 'torch\.float16', "
+                                    r"'torch\.float32', 'torch\.float64'\].*" + message):
+        InklingMTP.from_pretrained(sharded, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------ non-finite values
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weight_rejected(broken, value):
+    def poison(t):
+        t[LAST] = t[LAST].clone()
+        t[LAST].view(-1)[3] = value
+
+    _edit_mtp(broken, poison)
+    with pytest.raises(CheckpointError, match=rf"tensors hold NaN or inf values \(as torch\.float32\): "
+                                              rf"\['{re.escape(LAST)}'\]"):
+        InklingMTP.from_pretrained(broken)
+
+
+def test_overflow_on_conversion_rejected(broken):
+    """A finite fp32 weight beyond float16's range becomes inf on conversion: refused, naming the dtype."""
+    key = "model.mtp.layers.0.input_proj.weight"
+
+    def big(t):
+        t[key] = t[key].clone()
+        t[key][0, 0] = 1e6
+
+    _edit_mtp(broken, big)
+    InklingMTP.from_pretrained(broken)  # fine as stored
+    with pytest.raises(CheckpointError, match=rf"\(as torch\.float16\): \['{key}'\]"):
+        InklingMTP.from_pretrained(broken, dtype=torch.float16)
+
+
+# ------------------------------------------------------------------------------------------------ unreadable files
+
+
+def _truncate(file: Path, keep: int | None = None) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[:keep if keep is not None else len(data) // 2])
+
+
+@pytest.mark.parametrize("which", ["broken", "broken_flat"])
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: _truncate(f), r"incomplete metadata, file not fully covered"),
+    (lambda f: _truncate(f, 30), r"invalid header length"),
+    (lambda f: f.write_bytes(b""), r"header too small"),
+    (lambda f: f.write_bytes(b"\x10" + b"x" * 200), r"header"),
+], ids=["truncated-data", "truncated-header", "empty", "garbage"])
+def test_unreadable_mtp_shard_named(which, request, damage, message):
+    path = request.getfixturevalue(which)
+    damage(path / C.MTP_FILE)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path / C.MTP_FILE))}: not a readable safetensors "
+                                              rf"file \(.*{message}"):
+        InklingMTP.from_pretrained(path)
+
+
+def test_truncated_target_shard_named(broken):
+    shard = json.loads((broken / C.INDEX_FILE).read_text())["weight_map"]["model.llm.unembed.weight"]
+    _truncate(broken / shard)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(shard)}: not a readable safetensors file \(.*incomplete"):
+        InklingMTP.from_pretrained(broken)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"weight_map": {', r"invalid JSON: Expecting property name enclosed in double quotes"),
+    (b"[]", r"expected a JSON object, got list"),
+    (b'{"metadata": {}}', r"'weight_map' must be an object mapping tensor keys to files, got NoneType"),
+    (b'{"weight_map": ["mtp.safetensors"]}', r"'weight_map' must be an object mapping tensor keys to files, got list"),
+    (b'{"weight_map": {"model.llm.embed.weight": 3}}', r"not: 'model\.llm\.embed\.weight': 3"),
+    (b'{"weight_map": {"model.llm.embed.weight": null}}', r"not: 'model\.llm\.embed\.weight': None"),
+    (b'{"weight_map": {"model.llm.embed.weight": "../other/model.safetensors"}}', r"'\.\./other/model\.safetensors'"),
+    (b'{"weight_map": {"model.llm.embed.weight": "/etc/model.safetensors"}}', r"'/etc/model\.safetensors'"),
+    (b'{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}', r"key\(s\) \['a'\] given twice"),
+], ids=["truncated", "list", "no-weight-map", "weight-map-list", "int-entry", "null-entry", "parent-dir", "absolute",
+        "repeated-key"])
+def test_corrupt_index_named(broken, content, message):
+    (broken / C.INDEX_FILE).write_bytes(content)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(broken / C.INDEX_FILE))}: .*{message}"):
+        InklingMTP.from_pretrained(broken)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"{", r"invalid JSON: Expecting property name enclosed in double quotes at line 1 column 2"),
+    (b"[1]", r"expected a JSON object, got list"),
+], ids=["truncated", "list"])
+def test_corrupt_config_json_named(broken, content, message):
+    (broken / "config.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(broken / 'config.json'))}: {message}"):
+        InklingMTP.from_pretrained(broken)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw["text_config"].update(sliding_window_size=0), r"sliding_window_size must be >= 1, got 0"),
+    (lambda raw: raw["text_config"].update(rel_extent=0), r"rel_extent must be >= 1, got 0"),
+    (lambda raw: raw["text_config"].update(rms_norm_eps=-1e-6), r"rms_norm_eps must be > 0, got -1e-06"),
+    (lambda raw: raw["text_config"].update(num_attention_heads=0), r"num_attention_heads must be >= 1, got 0"),
+    (lambda raw: raw["text_config"].update(logits_mup_width_multiplier=float("nan")),
+     r"logits_mup_width_multiplier must be finite, got nan"),
+    (lambda raw: raw["text_config"].update(use_embed_norm="false"), r"use_embed_norm must be a bool, got 'false'"),
+    (lambda raw: raw["mtp_config"].update(local_layer_ids=[0], chain_hidden_post_norm="no"),
+     r"chain_hidden_post_norm"),
+], ids=["window-0", "extent-0", "eps-negative", "heads-0", "mup-nan", "embed-norm-string", "chain-norm-string"])
+def test_unworkable_config_json_named(broken, edit, message):
+    _edit_config(broken, edit)
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(broken / 'config.json'))}: .*{message}"):
+        InklingMTP.from_pretrained(broken)
+
+
+def test_directory_that_does_not_exist(tmp_path):
+    with pytest.raises(FileNotFoundError, match=rf"checkpoint directory {re.escape(str(tmp_path / 'nope'))} does not "
+                                                r"exist"):
+        InklingMTP.from_pretrained(tmp_path / "nope")
+
+
+def test_file_instead_of_directory(sharded):
+    with pytest.raises(NotADirectoryError, match=r"mtp\.safetensors is not a directory \(a checkpoint is a directory"):
+        InklingMTP.from_pretrained(sharded / C.MTP_FILE)
+
+
+@pytest.mark.parametrize("path", [123, None, b"/tmp", ["dir"]])
+def test_path_type(path):
+    with pytest.raises(TypeError, match=r"^checkpoint path must be a str or os\.PathLike, got "):
+        InklingMTP.from_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------------------ duplicates
+
+
+def test_same_key_in_two_shards_without_index(broken_flat):
+    shared = load_file(broken_flat / C.SHARED_FILE)
+    shared[KEY] = torch.ones(64)  # also in mtp.safetensors: which one is meant?
+    save_file(shared, str(broken_flat / C.SHARED_FILE))
+    with pytest.raises(CheckpointError, match=r"tensors held by several files \(and no model\.safetensors\.index\.json "
+                                              rf"to choose\): {KEY} \(in model\.safetensors, mtp\.safetensors\)$"):
+        InklingMTP.from_pretrained(broken_flat)
+
+
+def test_index_maps_a_key_to_a_file_holding_another(broken):
+    data = json.loads((broken / C.INDEX_FILE).read_text())
+    shards = sorted({v for v in data["weight_map"].values() if v != C.MTP_FILE})
+    key = "model.llm.unembed.weight"
+    other = next(s for s in shards if s != data["weight_map"][key])
+    data["weight_map"][key] = other
+    (broken / C.INDEX_FILE).write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=rf"(?s)missing 1 tensor\(s\): \['{key}'\].*model\.safetensors\.index"
+                                              rf"\.json names files that do not hold the tensor: {key} -> {other}$"):
+        InklingMTP.from_pretrained(broken)
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+
+@pytest.mark.parametrize("num_depths, message", [(True, "True"), (1.5, "1.5"), ("2", "'2'")])
+def test_num_depths_type(sharded, num_depths, message):
+    with pytest.raises(TypeError, match=rf"^num_depths must be an int or None, got {message}$"):
+        InklingMTP.from_pretrained(sharded, num_depths=num_depths)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda:x", r"Invalid device string"),
+    ("gpu", r"Expected one of cpu, cuda"),
+    ([0], r""),
+])
+def test_invalid_device(sharded, device, message):
+    with pytest.raises(ValueError, match=rf"^device={re.escape(repr(device))} is not usable: {message}"):
+        InklingMTP.from_pretrained(sharded, device=device)
+
+
+def test_unavailable_device(sharded):
+    """No machine has a 100th CUDA device (and a CPU build has none): refused before anything is read."""
+    with pytest.raises(ValueError, match=r"^device='cuda:99' is not usable: "):
+        InklingMTP.from_pretrained(sharded, device="cuda:99")
+
+
+@pytest.mark.parametrize("name, value", [("progress", "yes"), ("progress", 1), ("mtp_log_scaling", "yes"),
+                                         ("mtp_log_scaling", None)])
+def test_flags_must_be_bools(sharded, name, value):
+    with pytest.raises(TypeError, match=rf"^{name} must be a bool"):
+        InklingMTP.from_pretrained(sharded, **{name: value})
+
+
+# ------------------------------------------------------------------------------------------------ the target
+
+
+def test_frozen_target_stays_frozen(sharded):
+    """load_state_dict(assign=True) copies the module's requires_grad onto a Parameter it is given: loading must not
+    switch autograd back on for a target that the user froze."""
+    target = S.load_hf_target(sharded).requires_grad_(False)
+    mtp = InklingMTP.from_pretrained(sharded, target=target)
+    _assert_shares(mtp, target)
+    assert not any(p.requires_grad for p in target.parameters())
+
+
+def test_target_with_embed_norm_but_checkpoint_without(broken, target):
+    _edit_config(broken, lambda raw: raw["text_config"].update(use_embed_norm=False))
+    with pytest.raises(CheckpointError, match=r"embed_norm: the target's embedding has embed_norm, the checkpoint "
+                                              r"config has use_embed_norm=False"):
+        InklingMTP.from_pretrained(broken, target=target)
+
+
+def test_target_without_embed_norm(sharded):
+    target = S.load_hf_target(sharded)
+    del target.get_input_embeddings().embed_norm
+    with pytest.raises(CheckpointError, match=r"embed_norm: the target's embedding has no embed_norm, the checkpoint "
+                                              r"config has use_embed_norm=True"):
+        InklingMTP.from_pretrained(sharded, target=target)
+
+
+@pytest.mark.parametrize("to, where", [(torch.bfloat16, r"torch\.bfloat16 on cpu"),
+                                       ("meta", r"torch\.float32 on meta")])
+def test_target_with_shared_tensors_split_across_dtypes_or_devices(sharded, to, where):
+    """A half-converted target, or one whose embedding and head sit on different devices (device_map="auto"): the
+    MTP cannot share tensors that do not run together."""
+    target = S.load_hf_target(sharded)
+    target.get_input_embeddings().to(to)
+    with pytest.raises(CheckpointError, match=r"the target's shared tensors must be of one floating dtype on one "
+                                              rf"device.*embed_weight: {where}"):
+        InklingMTP.from_pretrained(sharded, target=target)
+
+
+# ------------------------------------------------------------------------------------------------ saving: fixtures
+
+
+@pytest.fixture(scope="module")
+def other(ckpt_root) -> InklingMTP:
+    """A model whose every tensor (embedding and head included) differs from ``sharded``'s."""
+    return InklingMTP.from_pretrained(S.cached_checkpoint("tiny", root=ckpt_root, seed=1))
+
+
+@pytest.fixture(scope="module")
+def saved(ckpt_root, sharded) -> Path:
+    """A directory written by save_pretrained itself."""
+    InklingMTP.from_pretrained(sharded).save_pretrained(ckpt_root / "saved")
+    return ckpt_root / "saved"
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    """Every entry of the directory (hidden temporaries included) with its bytes (None for a directory)."""
+    return {p.name: p.read_bytes() if p.is_file() else None for p in sorted(path.iterdir())}
+
+
+def _assert_cannot_save(model: InklingMTP, tmp_path: Path, match: str, error: type[Exception] = CheckpointError,
+                        **kwargs) -> None:
+    """Saving ``model`` into a new directory raises ``error`` (matching ``match``) and creates nothing."""
+    with pytest.raises(error, match=match):
+        model.save_pretrained(tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def _assert_save_refused(model: InklingMTP, path: Path, error: type[Exception], match: str) -> None:
+    """Saving ``model`` into ``path`` raises ``error`` (matching ``match``) and leaves the directory as it was."""
+    before = _snapshot(path)
+    with pytest.raises(error, match=match):
+        model.save_pretrained(path)
+    assert _snapshot(path) == before
+
+
+# ------------------------------------------------------------------------------------------------ atomicity
+
+DISK_FULL = OSError(28, "No space left on device")
+
+
+def _fail_at(monkeypatch, n: int, how: str) -> list[str]:
+    """Make the writer of the ``n``-th file of the next save fail: before writing (``before``), after writing half of
+    its bytes (``partial``), or by an interrupt (``interrupt``). Returns the file names the save writes, in order."""
+    real, names = C.write_files_atomically, []
+
+    def write_files_atomically(directory, files):
+        names.extend(files)
+        victim = list(files)[n]
+
+        def fail(file: Path) -> None:
+            if how == "interrupt":
+                raise KeyboardInterrupt
+            if how == "partial":
+                files[victim](file)
+                file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+            raise DISK_FULL
+
+        return real(directory, {**files, victim: fail})
+
+    monkeypatch.setattr(C, "write_files_atomically", write_files_atomically)
+    return names
+
+
+EXPECTED_FILES = {
+    "sharded": [C.MTP_FILE, C.SHARED_FILE, C.INDEX_FILE, "config.json"],
+    "saved": [C.MTP_FILE, C.SHARED_FILE, "config.json"],
+    "new": [C.MTP_FILE, C.SHARED_FILE, "config.json"],
+}
+
+
+@pytest.mark.parametrize("how", ["before", "partial", "interrupt"])
+@pytest.mark.parametrize("which", ["sharded", "saved", "new"])
+def test_failed_save_leaves_the_directory_as_it_was(which, how, request, other, tmp_path, monkeypatch):
+    """Fault injection at every file of a save: after each failure the directory holds exactly the bytes it held
+    before (no stray temporaries) and loads as before; a new directory is not left behind at all."""
+    path = tmp_path / "new" / "deeper" if which == "new" else _copy(request.getfixturevalue(which), tmp_path / which)
+    before = _snapshot(path) if which != "new" else None
+    loaded_before = InklingMTP.from_pretrained(path) if which != "new" else None
+    expected = EXPECTED_FILES[which]
+    for n in range(len(expected)):
+        with monkeypatch.context() as m:
+            names = _fail_at(m, n, how)
+            with pytest.raises(KeyboardInterrupt if how == "interrupt" else OSError):
+                other.save_pretrained(path)
+        assert names == expected  # config.json renamed last
+        if which == "new":
+            assert not (tmp_path / "new").exists(), n
+        else:
+            assert _snapshot(path) == before, n
+            _assert_bit_exact(InklingMTP.from_pretrained(path), loaded_before)
+    other.save_pretrained(path)  # and without a fault, the save goes through
+    _assert_bit_exact(InklingMTP.from_pretrained(path), other)
+    assert not [p.name for p in path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_safetensors_writer_failing_leaves_the_directory_as_it_was(saved, other, tmp_path, monkeypatch, n):
+    """The same fault one level down: safetensors' own writer raises on the n-th file it writes."""
+    path = _copy(saved, tmp_path / "saved")
+    before, real, calls = _snapshot(path), C.save_file, []
+
+    def save_file_failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == n + 1:
+            raise DISK_FULL
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(C, "save_file", save_file_failing)
+    with pytest.raises(OSError, match="No space left on device"):
+        other.save_pretrained(path)
+    assert _snapshot(path) == before
+
+
+def test_first_rename_failing_leaves_the_directory_as_it_was(saved, other, tmp_path, monkeypatch):
+    path = _copy(saved, tmp_path / "saved")
+    before = _snapshot(path)
+
+    def replace_failing(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    monkeypatch.setattr(os, "replace", replace_failing)
+    with pytest.raises(PermissionError):
+        other.save_pretrained(path)
+    assert _snapshot(path) == before
+
+
+# ------------------------------------------------------------------------------------------------ over a checkpoint
+
+
+def test_save_over_a_sharded_checkpoint_loads_what_was_saved(sharded, other, tmp_path):
+    """The index is rewritten to name the files just written for the keys they hold: neither our loader nor
+    transformers' is sent back to the stale shards for the embedding and head."""
+    path = _copy(sharded, tmp_path / "sharded")
+    index_before = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
+    other.save_pretrained(path)
+    _assert_bit_exact(InklingMTP.from_pretrained(path), other)
+    weight_map = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
+    assert set(weight_map) == set(index_before)
+    assert {k: v for k, v in weight_map.items() if k in SHARED} == dict.fromkeys(SHARED, C.SHARED_FILE)
+    assert {k for k, v in weight_map.items() if v == C.MTP_FILE} == set(load_file(path / C.MTP_FILE))
+    trunk = {k: v for k, v in index_before.items() if not k.startswith(C.MTP_PREFIX) and k not in SHARED}
+    assert {k: weight_map[k] for k in trunk} == trunk  # the target's other tensors still found where they are
+    target = S.load_hf_target(path)
+    assert torch.equal(target.get_input_embeddings().weight, other.embed_weight)
+    assert torch.equal(target.get_input_embeddings().embed_norm.weight, other.embed_norm_weight)
+    assert torch.equal(target.lm_head.weight, other.lm_head_weight)
+
+
+def test_save_one_depth_over_two_drops_the_stale_index_entries(sharded, ckpt_root, tmp_path):
+    path = _copy(sharded, tmp_path / "sharded")
+    one = InklingMTP.from_pretrained(S.cached_checkpoint("tiny", root=ckpt_root, seed=1), num_depths=1)
+    one.save_pretrained(path)
+    weight_map = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
+    assert not [k for k in weight_map if k.startswith("model.mtp.layers.1.")]
+    _assert_bit_exact(InklingMTP.from_pretrained(path), one)
+
+
+def test_save_without_shared_over_a_sharded_checkpoint(sharded, other, tmp_path):
+    path = _copy(sharded, tmp_path / "sharded")
+    index_before = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
+    original = InklingMTP.from_pretrained(path)
+    other.save_pretrained(path, include_shared=False)
+    assert not (path / C.SHARED_FILE).exists()
+    weight_map = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
+    assert {k: weight_map[k] for k in SHARED} == {k: index_before[k] for k in SHARED}  # still the target's shards
+    back = InklingMTP.from_pretrained(path)
+    for name, p in back.named_parameters():
+        assert torch.equal(p, (original if name in C.SHARED_KEYS else other).get_parameter(name)), name
+
+
+def test_save_over_a_whole_target_in_model_safetensors_is_refused(flat, other, tmp_path):
+    """``model.safetensors`` of an unsharded target holds the whole trunk: writing the three shared tensors over it
+    would destroy the target. Refused before anything is written; the MTP alone may still be saved there."""
+    path = _copy(flat, tmp_path / "flat")
+    trunk = len(load_file(path / C.SHARED_FILE))
+    _assert_save_refused(other, path, CheckpointError, rf"refusing to save here: replacing model\.safetensors would "
+                         rf"destroy {trunk - 3} tensor\(s\) this save does not own .* pass include_shared=False to "
+                         r"write only the MTP")
+    original = InklingMTP.from_pretrained(path)
+    other.save_pretrained(path, include_shared=False)
+    assert len(load_file(path / C.SHARED_FILE)) == trunk
+    back = InklingMTP.from_pretrained(path)
+    for name, p in back.named_parameters():
+        assert torch.equal(p, (original if name in C.SHARED_KEYS else other).get_parameter(name)), name
+
+
+def test_save_that_would_leave_two_copies_without_index_is_refused(flat, other, tmp_path):
+    path = _copy(flat, tmp_path / "flat")
+    (path / C.SHARED_FILE).rename(path / "target.safetensors")
+    _assert_save_refused(other, path, CheckpointError, r"target\.safetensors also holds 3 of the tensors saved .* "
+                         r"there is no model\.safetensors\.index\.json to choose between the copies")
+
+
+def test_save_over_a_corrupt_index_is_refused_before_writing(saved, other, tmp_path):
+    path = _copy(saved, tmp_path / "saved")
+    (path / C.INDEX_FILE).write_text('{"weight_map": ')
+    _assert_save_refused(other, path, CheckpointError, r"model\.safetensors\.index\.json: invalid JSON")
+
+
+def test_save_into_the_directory_it_was_loaded_from(saved, tmp_path):
+    path = _copy(saved, tmp_path / "saved")
+    mtp = InklingMTP.from_pretrained(path)
+    with torch.no_grad():
+        mtp.layers[0].input_proj.weight.mul_(2)
+    mtp.save_pretrained(path)
+    _assert_bit_exact(InklingMTP.from_pretrained(path), mtp)
+
+
+def test_save_over_a_symlinked_snapshot_leaves_the_blobs_alone(saved, tmp_path):
+    """A Hugging Face cache snapshot holds symlinks into shared blobs: writing through them would corrupt every
+    snapshot (and the hash) of those blobs. The new files replace the links."""
+    one = InklingMTP.from_pretrained(saved, num_depths=1)  # another config.json too
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snapshot.mkdir()
+    for file in saved.iterdir():
+        shutil.copy(file, blobs / file.name)
+        (snapshot / file.name).symlink_to(blobs / file.name)
+    before = _snapshot(blobs)
+    one.save_pretrained(snapshot)
+    assert _snapshot(blobs) == before
+    assert not any((snapshot / name).is_symlink() for name in (C.MTP_FILE, C.SHARED_FILE, "config.json"))
+    _assert_bit_exact(InklingMTP.from_pretrained(snapshot), one)
+
+
+def test_save_where_a_file_name_is_a_directory(saved, other, tmp_path):
+    path = _copy(saved, tmp_path / "saved")
+    (path / C.SHARED_FILE).unlink()
+    (path / C.SHARED_FILE).mkdir()
+    _assert_save_refused(other, path, IsADirectoryError, r"\['model\.safetensors'\] must be replaced by files, "
+                         r"but are not files")
+
+
+def test_save_onto_an_existing_file(saved, other, tmp_path):
+    file = tmp_path / "model.bin"
+    file.write_bytes(b"keep me")
+    with pytest.raises(NotADirectoryError, match=r"model\.bin is a file: save_pretrained writes a checkpoint "
+                                                 r"directory"):
+        other.save_pretrained(file)
+    assert file.read_bytes() == b"keep me"
+
+
+# ------------------------------------------------------------------------------------------------ what is saved
+
+
+def test_config_edited_after_loading_cannot_be_saved(sharded, tmp_path):
+    """config.json is written from the file the model was loaded with: a config changed since would be saved as the
+    old one, and the reload would silently be another model."""
+    mtp = InklingMTP.from_pretrained(sharded)
+    mtp.config = dataclasses.replace(mtp.config, mup=12.0)
+    _assert_cannot_save(mtp, tmp_path, r"cannot save: the config\.json the model was loaded with no longer "
+                        r"describes it \(fields \['mup'\] differ\)")
+
+
+def test_config_without_a_config_json_cannot_be_saved(sharded, tmp_path):
+    mtp = InklingMTP.from_pretrained(sharded)
+    mtp.config = dataclasses.replace(mtp.config, raw={})
+    _assert_cannot_save(mtp, tmp_path, r"cannot save: the model's config was not read from a usable "
+                        r"config\.json \(its config\.json: model_type None is not an Inkling")
+
+
+def test_tied_embedding_and_head_round_trip(sharded, tmp_path):
+    """A head tied to the embedding is one Parameter under two names: both are written (safetensors refuses tensors
+    sharing memory, and named_parameters() would list it once)."""
+    mtp = InklingMTP.from_pretrained(sharded)
+    mtp.lm_head_weight = mtp.embed_weight
+    mtp.save_pretrained(tmp_path / "tied")
+    back = InklingMTP.from_pretrained(tmp_path / "tied")
+    assert torch.equal(back.lm_head_weight, mtp.embed_weight) and torch.equal(back.embed_weight, mtp.embed_weight)
+
+
+def test_non_contiguous_and_misaligned_tensors_round_trip(sharded, tmp_path):
+    mtp = InklingMTP.from_pretrained(sharded)
+    w = mtp.layers[0].input_proj.weight
+    w.data = w.data.t().contiguous().t()  # same values, transposed strides
+    n = mtp.embed_norm_weight
+    n.data = torch.cat([torch.zeros(1), n.data])[1:]  # same values, 4 bytes past an aligned address
+    assert not w.is_contiguous() and n.data_ptr() % C.ALIGNMENT
+    mtp.save_pretrained(tmp_path / "out")
+    _assert_bit_exact(InklingMTP.from_pretrained(tmp_path / "out"), mtp)
+
+
+def test_save_does_not_touch_the_target(sharded, tmp_path):
+    target = S.load_hf_target(sharded)
+    mtp = InklingMTP.from_pretrained(sharded, target=target)
+    before = {n: (p.detach().clone(), p.data_ptr(), p.requires_grad, p.dtype) for n, p in target.named_parameters()}
+    mtp.save_pretrained(tmp_path / "out")
+    after = {n: (p.detach(), p.data_ptr(), p.requires_grad, p.dtype) for n, p in target.named_parameters()}
+    assert before.keys() == after.keys()
+    for name, (value, ptr, grad, dtype) in before.items():
+        assert torch.equal(after[name][0], value) and after[name][1:] == (ptr, grad, dtype), name
+    _assert_bit_exact(InklingMTP.from_pretrained(tmp_path / "out"), mtp)
+
+
+def test_meta_model_cannot_be_saved(sharded, tmp_path):
+    mtp = InklingMTP.from_pretrained(sharded, device="meta")
+    _assert_cannot_save(mtp, tmp_path, r"cannot save: tensors on the meta device hold no values: "
+                        r"\['embed_norm_weight', 'embed_weight'")
+
+
+def test_mixed_dtypes_cannot_be_saved(sharded, tmp_path):
+    mtp = InklingMTP.from_pretrained(sharded)
+    mtp.layers[1].to(torch.bfloat16)
+    _assert_cannot_save(mtp, tmp_path, r"cannot save: the tensors must share one dtype of .*, got "
+                        r"\['torch\.bfloat16', 'torch\.float32'\]")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_cannot_be_saved(sharded, tmp_path, value):
+    mtp = InklingMTP.from_pretrained(sharded)
+    with torch.no_grad():
+        mtp.layers[1].transformer_block.mlp.w13_dn.weight[5, 7] = value
+    _assert_cannot_save(mtp, tmp_path, r"cannot save: tensors hold NaN or inf values \(the checkpoint would "
+                        r"not load\): \['layers\.1\.transformer_block\.mlp\.w13_dn\.weight'\]")
+
+
+@pytest.mark.parametrize("include_shared", ["no", 0, None])
+def test_include_shared_must_be_a_bool(other, tmp_path, include_shared):
+    _assert_cannot_save(other, tmp_path, rf"^include_shared must be a bool, got {include_shared!r}$", TypeError,
+                        include_shared=include_shared)
+
+
+@pytest.mark.parametrize("path", [123, None])
+def test_save_path_type(other, path):
+    with pytest.raises(TypeError, match=r"^checkpoint path must be a str or os\.PathLike, got "):
+        other.save_pretrained(path)
+

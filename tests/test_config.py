@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from transformers import InklingConfig, InklingTextConfig, LlamaConfig
 
 from inkling_compiled import ConfigError, MTPConfig
 from inkling_compiled import synthetic as S
-from inkling_compiled.config import read_config_json
+from inkling_compiled.config import FIELD_RULES, logits_vocab_size, read_config_json
 
 from tests.helpers import tiny_text_config
 
@@ -117,14 +118,99 @@ def test_local_layer_ids_out_of_range(ids, bad):
 
 @pytest.mark.parametrize("mup", [0.0, -24.0])
 def test_non_positive_mup(mup):
-    with pytest.raises(ConfigError, match=rf"logits_mup_width_multiplier must be positive, got {mup}"):
+    with pytest.raises(ConfigError, match=rf"logits_mup_width_multiplier must be > 0, got {mup}"):
         MTPConfig.from_hf(tiny_text_config(logits_mup_width_multiplier=mup))
 
 
-@pytest.mark.parametrize("unpadded", [257, 0])
-def test_unpadded_vocab_out_of_range(unpadded):
-    with pytest.raises(ConfigError, match=rf"unpadded_vocab_size {unpadded} must be in \(0, vocab_size=256\]"):
-        MTPConfig.from_hf(tiny_text_config(unpadded_vocab_size=unpadded))
+def test_unpadded_vocab_larger_than_vocab():
+    with pytest.raises(ConfigError, match=r"unpadded_vocab_size 257 must be in \(0, vocab_size=256\]"):
+        MTPConfig.from_hf(tiny_text_config(unpadded_vocab_size=257))
+
+
+NAN, INF = float("nan"), float("inf")
+# (field, value, message): every field the head reads, with a value it cannot work with
+UNWORKABLE = [
+    ("sliding_window_size", 0, "sliding_window_size must be >= 1, got 0"),
+    ("rel_extent", 0, "rel_extent must be >= 1, got 0"),
+    ("rms_norm_eps", -1e-6, "rms_norm_eps must be > 0, got -1e-06"),
+    ("rms_norm_eps", 0.0, "rms_norm_eps must be > 0, got 0.0"),
+    ("rms_norm_eps", NAN, "rms_norm_eps must be finite, got nan"),
+    ("rms_norm_eps", INF, "rms_norm_eps must be finite, got inf"),
+    ("num_attention_heads", 0, "num_attention_heads must be >= 1, got 0"),
+    ("swa_num_attention_heads", -2, "swa_num_attention_heads must be >= 1, got -2"),
+    ("head_dim", 0, "head_dim must be >= 1, got 0"),
+    ("swa_head_dim", 0, "swa_head_dim must be >= 1, got 0"),
+    ("hidden_size", 0, "hidden_size must be >= 1, got 0"),
+    ("vocab_size", -1, "vocab_size must be >= 1, got -1"),
+    ("unpadded_vocab_size", 0, "unpadded_vocab_size must be >= 1, got 0"),
+    ("d_rel", 0, "d_rel must be >= 1, got 0"),
+    ("conv_kernel_size", 0, "conv_kernel_size must be >= 1, got 0"),
+    ("intermediate_size", -1, "intermediate_size must be >= 1, got -1"),
+    ("logits_mup_width_multiplier", NAN, "logits_mup_width_multiplier must be finite, got nan"),
+    ("logits_mup_width_multiplier", INF, "logits_mup_width_multiplier must be finite, got inf"),
+    ("log_scaling_n_floor", 0, "log_scaling_n_floor must be >= 1, got 0"),
+    ("log_scaling_alpha", NAN, "log_scaling_alpha must be finite, got nan"),
+    ("log_scaling_alpha", -INF, "log_scaling_alpha must be finite, got -inf"),
+    ("num_mtp_layers", 10**9, "num_mtp_layers must be <= 1024, got 1000000000"),
+]
+# values a transformers without strict field types (or an extra field it does not type) lets through
+MISTYPED = [
+    ("hidden_size", True, "hidden_size must be an int, got True"),
+    ("sliding_window_size", 1.5, "sliding_window_size must be an int, got 1.5"),
+    ("head_dim", "32", "head_dim must be an int, got '32'"),
+    ("num_mtp_layers", True, "num_mtp_layers must be an int, got True"),
+    ("unpadded_vocab_size", 1.5, "unpadded_vocab_size must be an int or None, got 1.5"),
+    ("rms_norm_eps", True, "rms_norm_eps must be a number, got True"),
+    ("logits_mup_width_multiplier", "24", "logits_mup_width_multiplier must be a number, got '24'"),
+    ("use_embed_norm", "false", "use_embed_norm must be a bool, got 'false'"),
+    ("chain_hidden_post_norm", 1, "chain_hidden_post_norm must be a bool, got 1"),
+]
+
+
+def _text_with(**fields) -> InklingTextConfig:
+    """The tiny text config holding ``fields`` as given, past transformers' own field typing."""
+    text = tiny_text_config()
+    for name, value in fields.items():
+        object.__setattr__(text, name, value)
+    return text
+
+
+@pytest.mark.parametrize("name, value, message", UNWORKABLE + MISTYPED,
+                         ids=[f"{n}={v!r}" for n, v, _ in UNWORKABLE + MISTYPED])
+def test_unworkable_field_values(name, value, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        MTPConfig.from_hf(_text_with(**{name: value}))
+
+
+def test_every_read_field_has_a_rule():
+    """The table covers the fields MTPConfig is built from (a new field without a rule would go unchecked)."""
+    assert {"hidden_size", "vocab_size", "rms_norm_eps", "d_rel", "conv_kernel_size", "intermediate_size",
+            "logits_mup_width_multiplier", "log_scaling_n_floor", "log_scaling_alpha", "sliding_window_size",
+            "rel_extent", "use_embed_norm", "use_global_scale"} <= set(FIELD_RULES)
+    assert {name for name, _, _ in UNWORKABLE + MISTYPED} <= set(FIELD_RULES)
+
+
+def test_all_bad_fields_named_at_once():
+    with pytest.raises(ConfigError, match=r"^sliding_window_size must be >= 1, got 0; "
+                                          r"rms_norm_eps must be finite, got nan$"):
+        MTPConfig.from_hf(_text_with(sliding_window_size=0, rms_norm_eps=NAN))
+
+
+def test_local_layer_ids_must_be_ints():
+    with pytest.raises(ConfigError, match=r"mtp_local_layer_ids \[True\] out of range for 2 MTP depths"):
+        MTPConfig.from_hf(_text_with(mtp_local_layer_ids=[True]))
+
+
+def test_mtp_log_scaling_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"mtp_log_scaling must be a bool, got 'yes'"):
+        MTPConfig.from_hf(tiny_text_config(), mtp_log_scaling="yes")
+
+
+@pytest.mark.parametrize("unpadded, expected", [(250, 250), (None, 256)])
+def test_logits_vocab_size(unpadded, expected):
+    text = tiny_text_config(unpadded_vocab_size=unpadded)
+    assert logits_vocab_size(text) == expected == MTPConfig.from_hf(text).logits_vocab_size
+    assert logits_vocab_size(_mm()) == 500  # a multimodal config: its text config's
 
 
 def test_softcapping_rejected():
@@ -183,4 +269,31 @@ def test_read_config_json_wrong_model_type(tmp_path, model_type):
     raw["model_type"] = model_type
     with pytest.raises(ConfigError, match=rf"model_type {model_type!r} is not an Inkling config \(expected "
                                           r"'inkling_mm_model' or 'inkling_text'\)"):
+        read_config_json(_write(tmp_path, raw))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"model_type": "inkling_mm_model",', r"invalid JSON: Expecting property name enclosed in double quotes at "
+                                            r"line 1 column 35"),
+    (b"\xff\xfe{}", r"not UTF-8 text \(invalid start byte at byte 0\)"),
+    (b"[1, 2]", r"expected a JSON object, got list"),
+    (b'"inkling"', r"expected a JSON object, got str"),
+    (b'{"model_type": "llama", "model_type": "inkling_text"}', r"key\(s\) \['model_type'\] given twice in one JSON "
+                                                             r"object"),
+], ids=["truncated", "not-utf8", "list", "string", "repeated-key"])
+def test_read_config_json_corrupt(tmp_path, content, message):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path / 'config.json'))}: {message}"):
+        read_config_json(tmp_path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw.update(mtp_config=[1]), r"'list' object has no attribute 'get'"),
+    (lambda raw: raw.update(text_config="inkling"), r"text_config"),
+    (lambda raw: raw["text_config"].update(logits_mup_width_multiplier=24), r"logits_mup_width_multiplier"),
+], ids=["mtp-config-list", "text-config-string", "int-for-float"])
+def test_read_config_json_transformers_rejects(tmp_path, edit, message):
+    raw = S.tiny_config()
+    edit(raw)
+    with pytest.raises(ConfigError, match=rf"config\.json: transformers cannot parse it: .*{message}"):
         read_config_json(_write(tmp_path, raw))

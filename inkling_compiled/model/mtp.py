@@ -12,6 +12,7 @@ import os
 import torch
 from torch import nn
 
+from ..checkpoint import RawCheckpoint, save_checkpoint
 from ..config import DepthGeometry, MTPConfig
 from .block import DecoderBlock
 from .cache import DepthCache, MTPCache
@@ -59,17 +60,29 @@ class InklingMTP(nn.Module):
                         device: torch.device | str | None = None, target: nn.Module | None = None,
                         num_depths: int | None = None, mtp_log_scaling: bool = False,
                         progress: bool | None = None) -> InklingMTP:
-        """Load from a raw Inkling checkpoint directory; see :func:`inkling_compiled.checkpoint.load_mtp`."""
-        from ..checkpoint import load_mtp
+        """Load from a raw Inkling checkpoint directory (eval mode, no autograd on its own weights).
 
-        return load_mtp(path, dtype=dtype, device=device, target=target, num_depths=num_depths,
-                        mtp_log_scaling=mtp_log_scaling, progress=progress)
+        ``dtype`` defaults to the stored MTP dtype (or the target's), ``device`` to CPU (or the target's). ``target``
+        (a transformers ``InklingForCausalLM`` / ``InklingForConditionalGeneration``) lends its embedding table,
+        embed_norm and LM head as the very same Parameters. ``num_depths`` loads only the first depths (vLLM loads
+        min(depths, speculative tokens)). Every mismatch between config and files is reported at once; see
+        :class:`inkling_compiled.checkpoint.RawCheckpoint`.
+        """
+        checkpoint = RawCheckpoint.open(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
+        with torch.device("meta"):
+            model = cls(checkpoint.config)
+        shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+        own, lent = checkpoint.read_state(shapes, dtype=dtype, device=device, target=target, progress=progress)
+        model.requires_grad_(False)
+        for name, param in lent.items():  # load_state_dict(assign=True) gives a Parameter our requires_grad: keep
+            getattr(model, name).requires_grad_(param.requires_grad)  # the target's own
+        model.load_state_dict({**own, **lent}, strict=True, assign=True)
+        return model.eval()
 
     def save_pretrained(self, path: str | os.PathLike, *, include_shared: bool = True) -> None:
-        """Write the raw layout back; see :func:`inkling_compiled.checkpoint.save_mtp`."""
-        from ..checkpoint import save_mtp
-
-        save_mtp(self, path, include_shared=include_shared)
+        """Write the raw layout back, atomically; see :func:`inkling_compiled.checkpoint.save_checkpoint`."""
+        save_checkpoint(path, self.config, dict(self.named_parameters(remove_duplicate=False)),
+                        include_shared=include_shared)
 
     def new_cache(self, batch_size: int, max_length: int) -> MTPCache:
         """Static, position-addressed KV + conv-state buffers for every depth (free rollback)."""
