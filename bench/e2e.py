@@ -81,7 +81,7 @@ def _sync(device):
 def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig = E2EConfig(), progress=lambda msg: None,
             distill_metrics: dict | None = None) -> dict:
     """Tokens/s and acceptance of each method on ``checkpoint`` (a distilled raw-layout directory), fp32."""
-    from inkling_compiled.synthetic import load_hf_target
+    from inkling_compiled.testing.synthetic import load_hf_target
 
     device = torch.device(device)
     target = load_hf_target(checkpoint, dtype=torch.float32).to(device).requires_grad_(False)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from inkling_compiled import InklingMTP, MTPConfig
-from inkling_compiled.synthetic import cached_checkpoint, preset_config
+from inkling_compiled.testing.synthetic import cached_checkpoint, preset_config
 
 FULL_OVERRIDES = dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -136,7 +136,7 @@ def load_checkpoint_models(path, *, preset: str = "custom", device="cpu", dtype=
     path = Path(path)
     target = hf_mtp = None
     if peer:
-        from inkling_compiled.synthetic import load_hf_mtp, load_hf_target
+        from inkling_compiled.testing.synthetic import load_hf_mtp, load_hf_target
 
         target = load_hf_target(path, dtype=dtype).to(device).requires_grad_(False)
         hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype).requires_grad_(False)

@@ -231,8 +231,8 @@ def config_section(preset: str, args) -> dict:
 # ------------------------------------------------------------------------------------------------------ e2e
 
 def e2e_section(args) -> dict:
-    from inkling_compiled.distill import distill, load_metrics
-    from inkling_compiled.synthetic import cached_checkpoint
+    from inkling_compiled.training.distill import distill, load_metrics
+    from inkling_compiled.testing.synthetic import cached_checkpoint
 
     from .e2e import E2EConfig, run_e2e
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inkling_compiled import passes as ic_passes
-from inkling_compiled.passes.kernel_stats import outer_loops
+from inkling_compiled.testing.kernel_stats import outer_loops
 from inkling_compiled.runtime import Drafter
 
 from .floor import GemmFloor, record_gemms, summarize
@@ -92,9 +92,9 @@ def cpp_wrapper_stats(code: str) -> dict:
 
 def kernel_summary(code: list[str]) -> dict:
     """Kernel definitions and launches of the compiled step's wrapper(s) (design §3): the Python wrapper through
-    ``inkling_compiled.passes.kernel_stats``, a C++ wrapper (``cpp_wrapper=True``, the drafter's CPU default)
+    ``inkling_compiled.testing.kernel_stats``, a C++ wrapper (``cpp_wrapper=True``, the drafter's CPU default)
     through :func:`cpp_wrapper_stats`."""
-    from inkling_compiled.passes.kernel_stats import kernel_stats
+    from inkling_compiled.testing.kernel_stats import kernel_stats
 
     cpp = [c for c in code if 'extern "C"' in c and "aoti_torch" in c]
     py = [c for c in code if c not in cpp]

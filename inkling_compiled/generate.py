@@ -47,33 +47,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _load_hf_target(path, dtype):
-    try:
-        from .synthetic import load_hf_target
-    except ImportError:  # pragma: no cover - fallback while the synthetic module is absent
-        from transformers import InklingForConditionalGeneration
-
-        return InklingForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
-    return load_hf_target(path, dtype=dtype)
-
-
 def build(args):
     """(path, target, drafter) for the parsed arguments."""
     from .model import InklingMTP
     from .runtime.drafter import Drafter
+    from .testing.synthetic import cached_checkpoint, load_hf_target
 
     if args.checkpoint:
         path = args.checkpoint
     else:
-        from .synthetic import cached_checkpoint
-
         path = cached_checkpoint("tiny")
         if args.distilled:  # random MTP weights draft nothing the target accepts
-            from .distill import distill
+            from .training.distill import distill
 
             path = distill(path)
     dtype = DTYPES[args.dtype]
-    target = _load_hf_target(path, dtype).to(args.device).requires_grad_(False)
+    target = load_hf_target(path, dtype=dtype).to(args.device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device)
     drafter = Drafter(mtp, max_batch_size=args.batch, max_length=args.prompt_len + args.max_new_tokens,
                       compile=not args.no_compile)

@@ -16,7 +16,7 @@ from torch import nn
 
 import inkling_compiled.checkpoint as C
 from inkling_compiled import CheckpointError, ConfigError, InklingMTP
-from inkling_compiled import synthetic as S
+from inkling_compiled.testing import synthetic as S
 
 from tests.helpers import random_mtp, tiny_text_config
 

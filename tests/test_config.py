@@ -10,7 +10,7 @@ import pytest
 from transformers import InklingConfig, InklingTextConfig, LlamaConfig
 
 from inkling_compiled import ConfigError, MTPConfig
-from inkling_compiled import synthetic as S
+from inkling_compiled.testing import synthetic as S
 from inkling_compiled.config import read_config_json
 
 from tests.helpers import tiny_text_config

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from inkling_compiled import synthetic as S
+from inkling_compiled.testing import synthetic as S
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Self-distillation (``inkling_compiled.distill``): the spec's alignment, a loss that falls, an acceptance that
+"""Self-distillation (``inkling_compiled.training.distill``): the spec's alignment, a loss that falls, an acceptance that
 rises, a result directory both libraries load, and the bench's end-to-end run on it."""
 
 import os
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.models import load_checkpoint_models
-from inkling_compiled import distill as D
-from inkling_compiled.synthetic import cached_checkpoint
+from inkling_compiled.training import distill as D
+from inkling_compiled.testing.synthetic import cached_checkpoint
 
 # Few steps and sequences: seconds on a 2-core CPU, still a clear effect.
 QUICK = dict(steps=60, seq_len=32, batch=16, lr=1e-2, prompt_len=8, num_sequences=64, eval_sequences=16, seed=0)

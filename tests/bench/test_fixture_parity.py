@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.models import load_checkpoint_models
-from inkling_compiled.synthetic import cached_checkpoint
+from inkling_compiled.testing.synthetic import cached_checkpoint
 
 
 @pytest.fixture(scope="module")

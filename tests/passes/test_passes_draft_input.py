@@ -9,7 +9,7 @@ import torch
 from inkling_compiled.model.draft_input import backbone_embedding, draft_input
 from inkling_compiled.model.norm import rms_norm
 from inkling_compiled.passes import draft_input as pass_a
-from inkling_compiled.passes.kernel_stats import compile_fresh
+from inkling_compiled.testing.kernel_stats import compile_fresh
 
 TORCH_BEFORE_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 

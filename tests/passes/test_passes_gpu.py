@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 
-from inkling_compiled.passes.kernel_stats import compile_fresh
+from inkling_compiled.testing.kernel_stats import compile_fresh
 from tests.helpers import hidden_and_logits_step
 
 from .test_passes_draft_input import EPS, _depth_input, _inputs
@@ -79,7 +79,7 @@ def test_top_tokens_keep_only_the_argmax_kernel():
 
 def test_real_model_step_cuda_bf16():
     from inkling_compiled import InklingMTP
-    from inkling_compiled.synthetic import cached_checkpoint
+    from inkling_compiled.testing.synthetic import cached_checkpoint
 
     mtp = InklingMTP.from_pretrained(cached_checkpoint("tiny"), dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ import inkling_compiled.passes as passes
 from inkling_compiled.model.head import mup_logits
 from inkling_compiled.passes import draft_input as pass_a
 from inkling_compiled.passes import mup_head as pass_b
-from inkling_compiled.passes.kernel_stats import compile_fresh
+from inkling_compiled.testing.kernel_stats import compile_fresh
 from inkling_compiled.passes.manager import ChainedPass, Fusion, PassManager
 
 REPO = Path(__file__).resolve().parents[2]

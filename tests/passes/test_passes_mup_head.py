@@ -8,7 +8,7 @@ from torch._inductor import config as inductor_config
 
 from inkling_compiled.model.head import mup_logits
 from inkling_compiled.passes import mup_head as pass_b
-from inkling_compiled.passes.kernel_stats import compile_fresh
+from inkling_compiled.testing.kernel_stats import compile_fresh
 from inkling_compiled.passes.manager import trace
 
 H, V, VOCAB, MUP = 64, 96, 90, 24.0  # V rows in the table, VOCAB kept (padded vocab, as on Inkling)

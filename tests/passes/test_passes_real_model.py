@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
-from inkling_compiled.passes.kernel_stats import compile_fresh
+from inkling_compiled.testing.kernel_stats import compile_fresh
 from tests.helpers import hidden_and_logits_step
-from inkling_compiled.synthetic import cached_checkpoint
+from inkling_compiled.testing.synthetic import cached_checkpoint
 
 
 @pytest.fixture(scope="module")

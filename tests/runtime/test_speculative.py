@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import DynamicCache, InklingForCausalLM, InklingTextConfig
 
-from inkling_compiled import InklingMTP, synthetic
+from inkling_compiled import InklingMTP
+from inkling_compiled.testing import synthetic
 from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, speculative
 from inkling_compiled.runtime.speculative import speculative_generate, target_distribution

@@ -13,9 +13,9 @@ predictable). The loss is the sum over depths of the mean cross-entropy of ``com
 The result is a new checkpoint directory that both transformers (target + ``MtpModel``) and ``InklingMTP`` load:
 ``config.json`` and the index are copied, the target shards are hard-linked (copied across file systems), and
 ``mtp.safetensors`` holds the trained depths in the stored dtype with the original raw keys. Directories are keyed
-by (source checkpoint, hyper-parameters, format) and reused, like ``synthetic.cached_checkpoint``.
+by (source checkpoint, hyper-parameters, format) and reused, like ``testing.synthetic.cached_checkpoint``.
 
-    python -m inkling_compiled.distill [--config tiny] [--steps 300] [--out DIR]
+    python -m inkling_compiled.training.distill [--config tiny] [--steps 300] [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from .checkpoint import MTP_FILE
+from ..checkpoint import MTP_FILE
 
 FORMAT_VERSION = 1  # bump when the training recipe changes the written weights for the same arguments
 METRICS_FILE = "distill.json"
@@ -219,7 +219,7 @@ def _key(checkpoint_dir: Path, params: dict) -> str:
 
 def default_out_dir(checkpoint_dir, **params) -> Path:
     """Where :func:`distill` caches the result for these arguments (filled with :data:`DEFAULTS`)."""
-    from .synthetic import default_cache_root
+    from ..testing.synthetic import default_cache_root
 
     checkpoint_dir = Path(checkpoint_dir)
     full = {**DEFAULTS, **params}
@@ -295,8 +295,8 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
     ``out_dir/distill.json`` (:func:`load_metrics`). ``soft``: cross-entropy against the target's full next-token
     distribution (default; learns faster, overfits less) instead of its greedy token (see :func:`mtp_loss`).
     """
-    from .model.mtp import InklingMTP
-    from .synthetic import load_hf_target
+    from ..model.mtp import InklingMTP
+    from ..testing.synthetic import load_hf_target
 
     checkpoint_dir = Path(checkpoint_dir)
     params = dict(steps=steps, seq_len=seq_len, batch=batch, seed=seed, lr=lr, prompt_len=prompt_len,
@@ -337,7 +337,7 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.distill", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.training.distill", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="raw-layout checkpoint directory to distil (default: the --config preset)")
     src.add_argument("--config", default="tiny", help="synthetic preset to generate and distil (default tiny)")
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
     if args.checkpoint:
         checkpoint = Path(args.checkpoint)
     else:
-        from .synthetic import cached_checkpoint
+        from ..testing.synthetic import cached_checkpoint
 
         checkpoint = cached_checkpoint(args.config)
     params = {name: getattr(args, name) for name in DEFAULTS}
