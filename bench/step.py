@@ -122,7 +122,7 @@ def compile_options(passes: bool, fresh: bool) -> dict:
     (so the global slot does not matter), and ``fresh`` turns the FX graph cache off so the passes really run (on a
     cache hit they do not, and their match counts stay 0). Distinct options objects also give each variant its own
     Dynamo cache entry (Dynamo guards on the backend)."""
-    options = {"post_grad_custom_post_pass": ic_passes.manager() if passes else None}
+    options = {"post_grad_custom_post_pass": ic_passes.pass_manager() if passes else None}
     if fresh:
         options["fx_graph_cache"] = False
     return {"options": options}

@@ -15,7 +15,7 @@ from torch import nn
 from ..config import DepthGeometry, MTPConfig
 from .block import DecoderBlock
 from .cache import DepthCache, MTPCache
-from .draft_input import backbone_embedding, draft_input
+from .depth_input import concat_normed, normed_embedding
 from .head import mup_logits
 from .norm import RMSNorm
 
@@ -33,8 +33,8 @@ class MTPDepth(nn.Module):
 
     def forward(self, embeds: torch.Tensor, previous_hidden: torch.Tensor, positions: torch.Tensor,
                 cache: DepthCache | None = None) -> torch.Tensor:
-        x = draft_input(previous_hidden, embeds, self.hidden_norm.weight, self.embed_norm.weight, self.eps,
-                        self.hidden_first)
+        x = concat_normed(previous_hidden, embeds, self.hidden_norm.weight, self.embed_norm.weight, self.eps,
+                          self.hidden_first)
         return self.transformer_block(self.input_proj(x), positions, cache)
 
 
@@ -95,7 +95,7 @@ class InklingMTP(nn.Module):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The target's own (backbone-normed) token embedding."""
-        return backbone_embedding(self.embed_weight, input_ids, self.embed_norm_weight, self.config.rms_norm_eps)
+        return normed_embedding(self.embed_weight, input_ids, self.embed_norm_weight, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(hidden / mup) @ lm_head.T`` truncated to the unpadded vocab: [..., logits_vocab_size]."""

@@ -1,6 +1,6 @@
 """The one object Inductor sees: ordered pattern-matcher sub-passes behind a single ``CustomGraphPass``.
 
-Each fusion module (``draft_input``, ``mup_head``) describes its rewrites as :class:`Fusion` objects: a name, a
+Each fusion module (``fuse_draft_input``, ``fold_mup_scale``) describes its rewrites as :class:`Fusion` objects: a name, a
 ``PatternMatcherPass``, the function that fills it, and the source files its behaviour depends on. The
 :class:`PassManager` runs them in order on the post-grad graph, counts matches per fusion, and derives its
 ``uuid()`` from the hash of those files, so Inductor's FX graph cache keys on the pass source instead of bypassing

@@ -108,7 +108,7 @@ def compile_fresh(fn, *args, passes: bool, **compile_kwargs) -> CompiledRun:
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
-    from ..passes import manager as pass_manager  # (the function; named so that it leaves `passes` alone)
+    from ..passes import pass_manager
 
     ours = pass_manager()
     torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""Pass B: the muP LM head as one GEMM with the scale in its alpha (design §3 "Fusion 2"; spec §5).
+"""The muP LM head as one GEMM with the scale in its alpha (design §3 "Fusion 2"; spec §5).
 
 The model emits ``mup_logits``: ``F.linear(hidden / mup, U)[..., :vocab]``. Post-grad that is
 ``div -> (reshape) -> mm(., permute(U)) -> (reshape) -> slice``: a pointwise kernel for the division and an extern
@@ -147,4 +147,4 @@ def _register(patterns: PatternMatcherPass) -> None:
                  retrace=False)
 
 
-FUSIONS = (Fusion("mup_head", _register, (__file__, model_head.__file__)),)
+FUSIONS = (Fusion("fold_mup_scale", _register, (__file__, model_head.__file__)),)
