@@ -8,9 +8,12 @@
     passes.match_counts()       # {"fuse_draft_input_embed": 1, "fuse_draft_input": 0, "fold_mup_scale": 1}
     passes.uninstall()          # puts back whatever was in the slot before
 
-Install before the first call of a compiled function: Inductor reads the slot when it compiles. The post slot (not
-the pre one) matters: Inductor's own post-grad patterns would otherwise undo the head's ``addmm`` on GPU. A pass a
-user already put in the slot keeps running, before ours (see :class:`~inkling_compiled.passes.manager.ChainedPass`).
+Every compile in the process then runs the manager, but its patterns match only ops written in
+``inkling_compiled/model/`` (:func:`~inkling_compiled.passes.manager.emitted_by_model`): other models, the
+transformers target included, compile as stock. Install before the first call of a compiled function: Inductor reads
+the slot when it compiles. The post slot (not the pre one) matters: Inductor's own post-grad patterns would otherwise
+undo the head's ``addmm`` on GPU. A pass a user already put in the slot keeps running, before ours (see
+:class:`~inkling_compiled.passes.manager.ChainedPass`).
 Installing costs the import of ``torch._inductor`` (about a second on a small CPU) and no pattern tracing: patterns
 are traced on the first graph the manager sees. Compiles served from the FX graph cache do not run passes, so
 counts only move on real compiles (the cache key holds the manager's uuid, a hash of the pass sources).

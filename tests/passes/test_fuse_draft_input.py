@@ -148,6 +148,7 @@ def test_eps_as_a_graph_input_does_not_fire():
 
 
 
+@pytest.mark.usefixtures("tests_count_as_model")
 def test_depth_norms_with_different_eps_do_not_fire():
     hidden, _, _, _, w_h, w_e, embeds = _inputs(torch.float32, (7,))
 
@@ -189,6 +190,7 @@ def test_backbone_norm_read_elsewhere_is_not_swallowed():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("tests_count_as_model")
 def test_norm_with_unshared_input_does_not_fire():
     hidden, _, _, _, w_h, w_e, embeds = _inputs(torch.float32, (7,))
 
