@@ -91,7 +91,7 @@ class MTPConfig:
         return cls(
             hidden_size=text.hidden_size,
             vocab_size=text.vocab_size,
-            logits_vocab_size=unpadded or text.vocab_size,
+            logits_vocab_size=logits_vocab_size(text),
             rms_norm_eps=text.rms_norm_eps,
             depths=depths,
             d_rel=text.d_rel,
@@ -107,6 +107,11 @@ class MTPConfig:
             log_scaling_alpha=text.log_scaling_alpha,
             raw=raw if raw is not None else config.to_dict(),
         )
+
+
+def logits_vocab_size(text: InklingTextConfig) -> int:
+    """Token ids the LM head scores: the unpadded vocab when the config has one (the table rows past it are padding)."""
+    return text.unpadded_vocab_size or text.vocab_size
 
 
 def _depth_geometry(text: InklingTextConfig, sliding: bool, mtp_log_scaling: bool) -> DepthGeometry:

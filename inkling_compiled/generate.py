@@ -9,7 +9,6 @@ Random MTP weights give (near) zero acceptance: the figures are only meaningful 
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 
@@ -83,13 +82,13 @@ def random_prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from .config import logits_vocab_size
     from .runtime.speculative import speculative_generate
+    from .testing.synthetic import greedy_generation_config
 
     torch.manual_seed(args.seed)
     path, target, drafter = build(args)
-    text = target.config.get_text_config()
-    vocab = text.unpadded_vocab_size or text.vocab_size
-    ids, mask = random_prompts(args, vocab)
+    ids, mask = random_prompts(args, logits_vocab_size(target.config.get_text_config()))
     eos = None if args.ignore_eos else target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
 
@@ -126,11 +125,7 @@ def main(argv=None) -> int:
     print(f"time {seconds * 1e3:.1f} ms, {new_tokens / seconds:.1f} tokens/s"
           f"{'' if args.no_warmup else ' (after one warm-up call)'}")
     if args.check:
-        config = copy.deepcopy(target.generation_config)
-        config.eos_token_id = eos
-        if eos is not None and pad is None:
-            config.pad_token_id = eos if isinstance(eos, int) else eos[0]
-        config.do_sample, config.max_new_tokens, config.max_length = False, args.max_new_tokens, None
+        config = greedy_generation_config(target, args.max_new_tokens, eos_token_id=eos)
         reference = target.generate(ids, attention_mask=mask, generation_config=config)
         same = torch.equal(reference, out.sequences)
         print(f"greedy generate() match: {same}")

@@ -20,7 +20,7 @@ from inkling_compiled.testing import synthetic as S
 
 from tests.helpers import random_mtp, tiny_text_config
 
-SHARED = set(S.SHARED_KEYS)
+SHARED = set(C.SHARED_KEYS.values())
 W13 = "transformer_block.mlp.w13_dn.weight"
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import inkling_compiled.checkpoint as C
 from inkling_compiled.testing import synthetic as S
 
 
@@ -137,8 +138,8 @@ def test_cached_checkpoint_reuses_dir_and_index_covers_shards(ckpt, tmp_path):
     files = sorted(p.name for p in ckpt.glob("*.safetensors"))
     assert "model.safetensors" not in files  # transformers would ignore the index
     shards = [f for f in files if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f)]
-    assert len(shards) >= 2 and set(files) == set(shards) | {S.MTP_FILE}
-    weight_map = json.loads((ckpt / S.INDEX_FILE).read_text())["weight_map"]
+    assert len(shards) >= 2 and set(files) == set(shards) | {C.MTP_FILE}
+    weight_map = json.loads((ckpt / C.INDEX_FILE).read_text())["weight_map"]
     seen = {}
     for f in files:
         with safe_open(str(ckpt / f), framework="pt") as h:
@@ -155,7 +156,7 @@ def test_unsharded_variant_and_reference_tensors(ckpt, raw, tmp_path):
     assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "mtp.safetensors"]
     for p in (path, ckpt):  # same seed -> same tensors whatever the file layout
         ref = S.mtp_reference_tensors(p)
-        assert set(ref) == {k for k in raw if k.startswith("model.mtp.")} | set(S.SHARED_KEYS)
+        assert set(ref) == {k for k in raw if k.startswith("model.mtp.")} | set(C.SHARED_KEYS.values())
         assert all(torch.equal(ref[k], raw[k]) for k in ref)
 
 

@@ -26,10 +26,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..checkpoint import INDEX_FILE, MTP_FILE, MTP_PREFIX, SHARED_FILE, SHARED_KEYS
+
 FORMAT_VERSION = 1  # bump when the written bytes change for the same (config, seed, dtype)
-MTP_FILE = "mtp.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-SHARED_KEYS = ("model.llm.embed.weight", "model.llm.embed_norm.weight", "model.llm.unembed.weight")
 _MAX_SHARD_BYTES = 4 << 30
 # Stored in float32 whatever the checkpoint dtype, as in the real checkpoint (router bias / scale).
 _FP32_SUFFIXES = ("mlp.gate.bias", "mlp.gate.global_scale")
@@ -214,7 +213,7 @@ def _raw_mtp_entry(name: str, shape) -> tuple[str, tuple[int, ...]] | None:
     if name.startswith(("embed_tokens.", "shared_head.")):  # shared with the target, not stored under model.mtp
         return None
     if name == "shared_post_norm.weight":
-        return "model.mtp.chain_norm.weight", tuple(shape)
+        return f"{MTP_PREFIX}chain_norm.weight", tuple(shape)
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if m is None:
         raise KeyError(f"no raw Inkling name known for MTP tensor {name!r}")
@@ -222,10 +221,10 @@ def _raw_mtp_entry(name: str, shape) -> tuple[str, tuple[int, ...]] | None:
     top = {"hnorm.weight": "hidden_norm.weight", "enorm.weight": "embed_norm.weight",
            "eh_proj.weight": "input_proj.weight"}
     if sub in top:
-        return f"model.mtp.layers.{k}.{top[sub]}", tuple(shape)
+        return f"{MTP_PREFIX}layers.{k}.{top[sub]}", tuple(shape)
     if sub.startswith("mtp_block."):
         raw, shape = _raw_layer_entry(sub[len("mtp_block."):], tuple(shape))
-        return f"model.mtp.layers.{k}.transformer_block.{raw}", shape
+        return f"{MTP_PREFIX}layers.{k}.transformer_block.{raw}", shape
     raise KeyError(f"no raw Inkling name known for MTP tensor {name!r}")
 
 
@@ -347,7 +346,7 @@ def write_checkpoint(path, config: dict, *, seed: int = 0, dtype: torch.dtype = 
             write(file, names, main_shapes)
             weight_map.update(dict.fromkeys(names, file))
     else:
-        write("model.safetensors", list(main_shapes), main_shapes)
+        write(SHARED_FILE, list(main_shapes), main_shapes)
     if mtp_shapes:
         write(MTP_FILE, list(mtp_shapes), mtp_shapes)
         weight_map.update(dict.fromkeys(mtp_shapes, MTP_FILE))
@@ -380,14 +379,25 @@ def cached_checkpoint(preset: str, *, root=None, seed: int = 0, dtype: torch.dty
     final = root / f"{preset}-{digest}"
     if (final / "config.json").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{preset}-{digest}-{uuid.uuid4().hex[:8]}"
+    return write_directory_once(final, lambda tmp: write_checkpoint(tmp, config, seed=seed, dtype=dtype, sharded=True),
+                                complete="config.json")
+
+
+def write_directory_once(final: Path, fill, *, complete: str) -> Path:
+    """``fill(tmp)`` a temporary sibling of ``final``, then rename it to ``final``: a directory that exists is complete.
+
+    Concurrent writers race harmlessly: when the rename fails because another writer's ``final`` already holds the
+    file ``complete`` (written last), that copy is kept and ours discarded.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
     try:
-        write_checkpoint(tmp, config, seed=seed, dtype=dtype, sharded=True)
+        fill(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / "config.json").is_file():
+            if not (final / complete).is_file():
                 raise
     finally:
         if tmp.exists():
@@ -402,6 +412,18 @@ def load_hf_target(path, dtype: torch.dtype = torch.float32):
     from transformers import InklingForConditionalGeneration
 
     return InklingForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def greedy_generation_config(target, max_new_tokens: int, *, eos_token_id=None):
+    """A copy of ``target``'s generation config for greedy ``generate()`` of exactly ``max_new_tokens`` tokens, or
+    fewer when ``eos_token_id`` is given and met: the reference that speculative generation is compared with."""
+    config = copy.deepcopy(target.generation_config)
+    config.do_sample = False
+    config.max_new_tokens, config.max_length, config.min_new_tokens = max_new_tokens, None, None
+    config.eos_token_id = eos_token_id
+    if config.pad_token_id is None:  # finished rows are padded: with the EOS id when there is one
+        config.pad_token_id = eos_token_id[0] if isinstance(eos_token_id, list) else (eos_token_id or 0)
+    return config
 
 
 def load_hf_mtp(target):
@@ -454,21 +476,21 @@ def mtp_reference_tensors(path) -> dict[str, torch.Tensor]:
     weight_map = _index_or_files(path)
     wanted: dict[str, list[str]] = {}
     for key, file in weight_map.items():
-        if key.startswith("model.mtp.") or key in SHARED_KEYS:
+        if key.startswith(MTP_PREFIX) or key in SHARED_KEYS.values():
             wanted.setdefault(file, []).append(key)
     out = {}
     for file, keys in wanted.items():
         with safe_open(str(path / file), framework="pt") as f:
             for key in keys:
                 out[key] = f.get_tensor(key)
-    missing = [k for k in SHARED_KEYS if k not in out]
+    missing = [k for k in SHARED_KEYS.values() if k not in out]
     if missing:
         raise KeyError(f"{path}: shared tensors not found: {missing}")
     return out
 
 
 __all__ = [
-    "FORMAT_VERSION", "PRESETS", "SHARED_KEYS", "cached_checkpoint", "default_cache_root", "full_config",
-    "hf_causal_lm_from", "load_hf_mtp", "load_hf_target", "mtp_reference_tensors", "preset_config",
-    "raw_tensor_shapes", "small_config", "tiny_config", "write_checkpoint",
+    "FORMAT_VERSION", "PRESETS", "cached_checkpoint", "default_cache_root", "full_config",
+    "greedy_generation_config", "hf_causal_lm_from", "load_hf_mtp", "load_hf_target", "mtp_reference_tensors", "preset_config",
+    "raw_tensor_shapes", "small_config", "tiny_config", "write_checkpoint", "write_directory_once",
 ]

@@ -28,7 +28,6 @@ import os
 import shutil
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +35,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from ..checkpoint import MTP_FILE
+from ..checkpoint import INDEX_FILE, MTP_FILE, SAFETENSORS_DTYPES
+from ..config import logits_vocab_size
+from ..testing.synthetic import (cached_checkpoint, default_cache_root, greedy_generation_config, load_hf_target,
+                                 write_directory_once)
 
 FORMAT_VERSION = 1  # bump when the training recipe changes the written weights for the same arguments
 METRICS_FILE = "distill.json"
@@ -73,11 +75,6 @@ def target_hidden(target, tokens: torch.Tensor) -> torch.Tensor:
         return target.model(input_ids=tokens, attention_mask=mask).last_hidden_state
 
 
-def _logits_vocab(target) -> int:
-    text = target.config.get_text_config()
-    return text.unpadded_vocab_size or text.vocab_size
-
-
 def greedy_data(target, *, num_sequences: int, seq_len: int, prompt_len: int, seed: int, chunk: int = 64,
                 progress: bool = False) -> GreedyData:
     """Random prompts of ``prompt_len`` ids continued greedily by ``target`` to ``seq_len`` tokens (EOS suppressed
@@ -85,15 +82,10 @@ def greedy_data(target, *, num_sequences: int, seq_len: int, prompt_len: int, se
     if not 0 < prompt_len < seq_len:
         raise ValueError(f"need 0 < prompt_len < seq_len, got {prompt_len}, {seq_len}")
     gen = torch.Generator().manual_seed(seed)
-    vocab = _logits_vocab(target)
+    vocab = logits_vocab_size(target.config.get_text_config())
     device = target.lm_head.weight.device
     prompts = torch.randint(3, vocab, (num_sequences, prompt_len), generator=gen).to(device)
-    config = target.generation_config.__class__.from_dict(target.generation_config.to_dict())
-    config.eos_token_id = None
-    config.pad_token_id = 0
-    config.do_sample = False
-    config.max_new_tokens = seq_len - prompt_len
-    config.min_new_tokens = None
+    config = greedy_generation_config(target, seq_len - prompt_len)
     tokens, hidden = [], []
     start = time.perf_counter()
     with torch.no_grad():
@@ -209,7 +201,7 @@ def train(mtp, data: GreedyData, *, steps: int, batch: int, lr: float, seed: int
 
 def _key(checkpoint_dir: Path, params: dict) -> str:
     parts = {"source": str(checkpoint_dir.resolve()), "params": params, "format": FORMAT_VERSION}
-    for name in ("config.json", "model.safetensors.index.json"):
+    for name in ("config.json", INDEX_FILE):
         f = checkpoint_dir / name
         parts[name] = f.read_text() if f.is_file() else None
     mtp = checkpoint_dir / MTP_FILE
@@ -219,8 +211,6 @@ def _key(checkpoint_dir: Path, params: dict) -> str:
 
 def default_out_dir(checkpoint_dir, **params) -> Path:
     """Where :func:`distill` caches the result for these arguments (filled with :data:`DEFAULTS`)."""
-    from ..testing.synthetic import default_cache_root
-
     checkpoint_dir = Path(checkpoint_dir)
     full = {**DEFAULTS, **params}
     return default_cache_root() / "distilled" / f"{checkpoint_dir.name}-{_key(checkpoint_dir, full)}"
@@ -237,7 +227,7 @@ def _stored_mtp(checkpoint_dir: Path) -> tuple[set[str], torch.dtype]:
     with safe_open(str(checkpoint_dir / MTP_FILE), framework="pt") as f:
         keys = set(f.keys())
         dtype = f.get_slice(next(iter(sorted(keys)))).get_dtype()
-    return keys, {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[dtype]
+    return keys, SAFETENSORS_DTYPES[dtype]
 
 
 def write_distilled(checkpoint_dir, mtp, out_dir, metrics: dict) -> Path:
@@ -245,10 +235,8 @@ def write_distilled(checkpoint_dir, mtp, out_dir, metrics: dict) -> Path:
     ``mtp``'s depths (raw layout, the stored dtype), atomically (temp sibling, then rename)."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     keys, stored_dtype = _stored_mtp(checkpoint_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+
+    def fill(tmp: Path) -> None:
         for item in checkpoint_dir.iterdir():
             if item.name in (MTP_FILE, METRICS_FILE) or not item.is_file():
                 continue
@@ -264,15 +252,8 @@ def write_distilled(checkpoint_dir, mtp, out_dir, metrics: dict) -> Path:
         os.replace(scratch / MTP_FILE, tmp / MTP_FILE)
         shutil.rmtree(scratch)
         (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not (out_dir / METRICS_FILE).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+    return write_directory_once(out_dir, fill, complete=METRICS_FILE)
 
 
 def load_metrics(out_dir) -> dict:
@@ -296,7 +277,6 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
     distribution (default; learns faster, overfits less) instead of its greedy token (see :func:`mtp_loss`).
     """
     from ..model.mtp import InklingMTP
-    from ..testing.synthetic import load_hf_target
 
     checkpoint_dir = Path(checkpoint_dir)
     params = dict(steps=steps, seq_len=seq_len, batch=batch, seed=seed, lr=lr, prompt_len=prompt_len,
@@ -355,8 +335,6 @@ def main(argv=None) -> int:
     if args.checkpoint:
         checkpoint = Path(args.checkpoint)
     else:
-        from ..testing.synthetic import cached_checkpoint
-
         checkpoint = cached_checkpoint(args.config)
     params = {name: getattr(args, name) for name in DEFAULTS}
     out = distill(checkpoint, args.out, force=args.force, **params)

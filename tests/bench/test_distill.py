@@ -14,14 +14,7 @@ from inkling_compiled.testing.synthetic import cached_checkpoint
 
 # Few steps and sequences: seconds on a 2-core CPU, still a clear effect.
 QUICK = dict(steps=60, seq_len=32, batch=16, lr=1e-2, prompt_len=8, num_sequences=64, eval_sequences=16, seed=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,8 @@ from inkling_compiled.testing.synthetic import cached_checkpoint
 
 
 @pytest.fixture(scope="module")
-def models():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_checkpoint_models(cached_checkpoint("tiny"), preset="tiny")
-    torch.set_num_threads(before)
+def models(one_thread):
+    return load_checkpoint_models(cached_checkpoint("tiny"), preset="tiny")
 
 
 def raw_rows(models, batch, seq, seed=0):

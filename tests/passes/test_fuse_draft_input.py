@@ -10,8 +10,8 @@ from inkling_compiled.model.depth_input import concat_normed, normed_embedding
 from inkling_compiled.model.norm import rms_norm
 from inkling_compiled.passes import fuse_draft_input
 from inkling_compiled.testing.kernel_stats import compile_fresh
+from inkling_compiled.torch_version import BEFORE_2_13
 
-TORCH_BEFORE_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
 
 H, V = 64, 96
 EPS = 1e-6
@@ -160,7 +160,7 @@ def test_depth_norms_with_different_eps_do_not_fire():
     torch.testing.assert_close(run.output, block(hidden, embeds, w_h, w_e), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(TORCH_BEFORE_2_13, reason="torch 2.11 drops the bf16 rounding between the norms before our pass")
+@pytest.mark.skipif(BEFORE_2_13, reason="torch 2.11 drops the bf16 rounding between the norms before our pass")
 def test_backbone_eps_differing_from_depth_eps_leaves_only_the_two_norm_fusion():
     hidden, table, ids, w_pre, w_h, w_e, _ = _inputs(torch.bfloat16, (7,))
 
@@ -215,7 +215,7 @@ def test_mixed_dtype_halves_do_not_fire():
     assert _fired(run)
 
 
-@pytest.mark.skipif(TORCH_BEFORE_2_13, reason="torch 2.11 cannot skip duplicate patterns: 2-D and 3-D both register")
+@pytest.mark.skipif(BEFORE_2_13, reason="torch 2.11 cannot skip duplicate patterns: 2-D and 3-D both register")
 def test_registered_variants():
     """Every dtype pair x order traces to its own pattern; 2-D and 3-D coincide (no reshapes in this block). The
     gather chain also registers each low-precision pair without its norm-to-norm rounding (torch 2.11's graph)."""
