@@ -4,6 +4,7 @@ import torch
 from transformers import InklingTextConfig
 
 from inkling_compiled import InklingMTP, MTPConfig
+from inkling_compiled.testing.synthetic import randomize_
 
 
 def tiny_text_config(**overrides) -> InklingTextConfig:
@@ -18,23 +19,10 @@ def tiny_text_config(**overrides) -> InklingTextConfig:
     return InklingTextConfig(**fields)
 
 
-def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Random weights with sane magnitudes; norm gains near 1 so swapped tensors show up as differences."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name or "global_scale" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            else:
-                p.copy_(noise * (0.5 / max(1, p.shape[-1]) ** 0.5) if p.dim() > 1 else 0.2 * noise)
-    return module
-
-
 def random_mtp(text_config: InklingTextConfig | None = None, seed: int = 0, dtype=torch.float32,
                **config_kwargs) -> InklingMTP:
     model = InklingMTP(MTPConfig.from_hf(text_config or tiny_text_config(), **config_kwargs))
-    return randomize_(model, seed).to(dtype).eval().requires_grad_(False)
+    return randomize_(model, seed, mup=model.config.mup).to(dtype).eval().requires_grad_(False)
 
 
 def hidden_and_logits_step(mtp: InklingMTP, depth: int = 0):

@@ -259,36 +259,57 @@ def raw_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[st
 
 # ----------------------------------------------------------------------------------------------------- values
 
-def _init_stats(name: str, shape: tuple[int, ...], text: dict) -> tuple[float, float]:
-    """(mean, std) of a raw tensor: unit-gain-ish norms and scalars, fan-in scaled matrices, a sharp LM head."""
+_EMBEDDINGS = ("model.llm.embed.weight", "model.audio.encoder.weight", "embed_weight", "embed_tokens.weight")
+_LM_HEADS = ("model.llm.unembed.weight", "lm_head_weight", "lm_head.weight")
+_GATE_BIASES = ("mlp.gate.bias", "e_score_correction_bias")
+_ROUTED_DOWN = ("experts.w2_weight", "shared_w2_weight", "experts.down_proj", "shared_experts.down_proj.weight")
+
+
+def init_stats(name: str, shape: tuple[int, ...], *, mup: float = 24.0, route_scale: float = 1.0) -> tuple[float, float]:
+    """(mean, std) of a tensor named as on disk (raw), in ``InklingMTP`` or in transformers: unit-gain-ish norms and
+    scalars, fan-in scaled matrices, a sharp LM head. The one rule set for every random weight the tests and the
+    benchmark use."""
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
     if "norm" in leaf:  # every RMSNorm gain (q/k, layer, embed, hidden/embed MTP norms, tower norms)
         return 1.0, 0.1
     if name.endswith("global_scale"):
         return 1.0, 0.1
-    if name.endswith("mlp.gate.bias"):
+    if name.endswith(_GATE_BIASES):
         return 0.0, 0.02
     if name.endswith("rel_logits_proj.proj"):
         return 0.0, 1.0 / math.sqrt(shape[0])
     if "sconv" in name:
         return 0.0, 0.2
-    if name in ("model.llm.embed.weight", "model.audio.encoder.weight"):
+    if name.endswith(_EMBEDDINGS):
         return 0.0, 1.0
-    if name == "model.llm.unembed.weight":
+    if name.endswith(_LM_HEADS):
         # logits = unembed @ (normed hidden / mup): std ~2.5 so greedy choices are not near-ties
-        return 0.0, 2.5 * float(text.get("logits_mup_width_multiplier", 24.0)) / math.sqrt(shape[-1])
+        return 0.0, 2.5 * mup / math.sqrt(shape[-1])
     if len(shape) in (2, 3):
         std = 1.0 / math.sqrt(shape[-1])
-        if name.endswith(("experts.w2_weight", "shared_w2_weight")):
-            std /= float(text.get("route_scale", 1.0))  # routed weights are multiplied by route_scale
+        if name.endswith(_ROUTED_DOWN):
+            std /= route_scale  # routed weights are multiplied by route_scale
         return 0.0, std
     raise KeyError(f"no init rule for {name} {shape}")
+
+
+def randomize_(module: torch.nn.Module, seed: int = 0, *, mup: float = 24.0, route_scale: float = 1.0):
+    """Seeded random weights for every parameter of ``module`` at :func:`init_stats`' scales, in place, drawn on the
+    module's device (no host copy: the ``full`` preset's tables alone are gigabytes). Returns ``module``."""
+    params = list(module.named_parameters())
+    gen = torch.Generator(device=params[0][1].device if params else "cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in params:
+            mean, std = init_stats(name, tuple(p.shape), mup=mup, route_scale=route_scale)
+            p.normal_(mean, std, generator=gen)
+    return module
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], seed: int, text: dict, dtype: torch.dtype) -> torch.Tensor:
     """Seeded per name, so values do not depend on shard layout or generation order."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    mean, std = _init_stats(name, shape, text)
+    mean, std = init_stats(name, shape, mup=float(text.get("logits_mup_width_multiplier", 24.0)),
+                           route_scale=float(text.get("route_scale", 1.0)))
     t = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std).add_(mean)
     store = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
     return t.to(store).contiguous()
@@ -490,7 +511,7 @@ def mtp_reference_tensors(path) -> dict[str, torch.Tensor]:
 
 
 __all__ = [
-    "FORMAT_VERSION", "PRESETS", "cached_checkpoint", "default_cache_root", "full_config",
-    "greedy_generation_config", "hf_causal_lm_from", "load_hf_mtp", "load_hf_target", "mtp_reference_tensors", "preset_config",
-    "raw_tensor_shapes", "small_config", "tiny_config", "write_checkpoint", "write_directory_once",
+    "FORMAT_VERSION", "PRESETS", "cached_checkpoint", "default_cache_root", "full_config", "greedy_generation_config",
+    "hf_causal_lm_from", "init_stats", "load_hf_mtp", "load_hf_target", "mtp_reference_tensors", "preset_config",
+    "randomize_", "raw_tensor_shapes", "small_config", "tiny_config", "write_checkpoint", "write_directory_once",
 ]
