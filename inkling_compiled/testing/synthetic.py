@@ -38,6 +38,9 @@ _VISION = {"patch_size": 2, "temporal_patch_size": 2, "num_channels": 3, "num_hi
            "num_attention_heads": 2}
 _AUDIO = {"n_mel_bins": 4, "mel_vocab_size": 8}
 _TOKENS = {"image_token_id": 4, "audio_token_id": 7, "image_bos_token_id": 5, "audio_bos_token_id": 6}
+# Text fields every preset shares (real Inkling values); each preset adds its dims.
+_TEXT_COMMON = {"d_rel": 16, "n_shared_experts": 1, "route_scale": 8.0, "sconv_kernel_size": 4, "hidden_act": "silu",
+                "logits_mup_width_multiplier": 24.0, "rms_norm_eps": 1e-6, "bos_token_id": 1}
 
 
 # --------------------------------------------------------------------------------------------------------- presets
@@ -76,12 +79,11 @@ def tiny_config(*, num_mtp_layers: int = 2, local_layer_ids=(0,), num_hidden_lay
                 moe: bool = True, use_unpadded: bool = True, **text_overrides) -> dict:
     """H 64, 2x32 heads, V 512 (500 unpadded), W 8, E 16; trunk = max(2, depths) layers, layer 0 dense, rest MoE."""
     text = {
-        "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
-        "swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_head_dim": 32, "d_rel": 16,
-        "dense_intermediate_size": 128, "intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "n_shared_experts": 1, "route_scale": 8.0, "vocab_size": 512, "sliding_window_size": 8, "rel_extent": 16,
-        "log_scaling_n_floor": None, "sconv_kernel_size": 4, "model_max_length": 4096, "hidden_act": "silu",
-        "logits_mup_width_multiplier": 24.0, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+        **_TEXT_COMMON, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
+        "swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_head_dim": 32, "dense_intermediate_size": 128,
+        "intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "vocab_size": 512,
+        "sliding_window_size": 8, "rel_extent": 16, "log_scaling_n_floor": None, "model_max_length": 4096,
+        "eos_token_id": 2,
     }
     return _config(text, num_mtp_layers=num_mtp_layers, local_layer_ids=local_layer_ids,
                    num_hidden_layers=num_hidden_layers, moe=moe, unpadded_vocab_size=500 if use_unpadded else None,
@@ -92,13 +94,11 @@ def small_config(*, num_mtp_layers: int = 1, local_layer_ids=(0,), num_hidden_la
                  moe: bool = False, use_unpadded: bool = False, **text_overrides) -> dict:
     """H 1024, 16x64 heads (kv 4 full / 8 swa), dense MLP 2816, V 32000, W 128, E 256; 2 dense trunk layers."""
     text = {
-        "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
-        "swa_num_attention_heads": 16, "swa_num_key_value_heads": 8, "swa_head_dim": 64, "d_rel": 16,
+        **_TEXT_COMMON, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+        "swa_num_attention_heads": 16, "swa_num_key_value_heads": 8, "swa_head_dim": 64,
         "dense_intermediate_size": 2816, "intermediate_size": 256, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "n_shared_experts": 1, "route_scale": 8.0, "vocab_size": 32000, "sliding_window_size": 128,
-        "rel_extent": 256, "log_scaling_n_floor": None, "sconv_kernel_size": 4, "model_max_length": 32768,
-        "hidden_act": "silu", "logits_mup_width_multiplier": 24.0, "rms_norm_eps": 1e-6, "bos_token_id": 1,
-        "eos_token_id": 2,
+        "vocab_size": 32000, "sliding_window_size": 128, "rel_extent": 256, "log_scaling_n_floor": None,
+        "model_max_length": 32768, "eos_token_id": 2,
     }
     return _config(text, num_mtp_layers=num_mtp_layers, local_layer_ids=local_layer_ids,
                    num_hidden_layers=num_hidden_layers, moe=moe,
@@ -113,13 +113,11 @@ def full_config(*, num_mtp_layers: int = 8, local_layer_ids=(0, 2, 4, 5, 6, 7), 
     renumbering), so pass ``num_hidden_layers=8`` when transformers must load the MTP too.
     """
     text = {
-        "hidden_size": 6144, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "swa_num_attention_heads": 64, "swa_num_key_value_heads": 16, "swa_head_dim": 128, "d_rel": 16,
+        **_TEXT_COMMON, "hidden_size": 6144, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "swa_num_attention_heads": 64, "swa_num_key_value_heads": 16, "swa_head_dim": 128,
         "dense_intermediate_size": 24576, "intermediate_size": 3072, "n_routed_experts": 2, "num_experts_per_tok": 1,
-        "n_shared_experts": 1, "route_scale": 8.0, "vocab_size": 201024, "sliding_window_size": 512,
-        "rel_extent": 1024, "log_scaling_n_floor": 128000, "log_scaling_alpha": 0.1, "sconv_kernel_size": 4,
-        "model_max_length": 1048576, "hidden_act": "silu", "logits_mup_width_multiplier": 24.0,
-        "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 200006,
+        "vocab_size": 201024, "sliding_window_size": 512, "rel_extent": 1024, "log_scaling_n_floor": 128000,
+        "log_scaling_alpha": 0.1, "model_max_length": 1048576, "eos_token_id": 200006,
     }
     return _config(text, num_mtp_layers=num_mtp_layers, local_layer_ids=local_layer_ids,
                    num_hidden_layers=num_hidden_layers, moe=moe,
