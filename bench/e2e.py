@@ -70,9 +70,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig = E2EConfig(), progress=lambda msg: None,
+def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig | None = None, progress=lambda msg: None,
             distill_metrics: dict | None = None) -> dict:
     """Tokens/s and acceptance of each method on ``checkpoint`` (a distilled raw-layout directory), fp32."""
+    cfg = cfg or E2EConfig()
     device = torch.device(device)
     target = load_hf_target(checkpoint, dtype=torch.float32).to(device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(checkpoint, target=target)

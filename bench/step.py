@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from inkling_compiled import passes as ic_passes
-from inkling_compiled.testing.kernel_stats import outer_loops
 from inkling_compiled.runtime import Drafter
+from inkling_compiled.testing.kernel_stats import outer_loops
 
 from .floor import GemmFloor, record_gemms, summarize
 from .models import Models

@@ -78,7 +78,8 @@ class InklingMTP(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, previous_hidden: torch.Tensor,
                 cache: MTPCache | None = None, depth: int = 0,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Run depth ``depth`` over rows [B, T]: ``(input_ids or inputs_embeds, positions, previous_hidden)`` -> [B, T, H].
+        """Run depth ``depth`` over rows [B, T]: ``(input_ids or inputs_embeds, positions, previous_hidden)`` ->
+        [B, T, H].
 
         ``input_ids`` are the tokens x_{t+depth+1}; ``inputs_embeds`` replaces them with already backbone-normed
         embeddings (multimodal rows, spec §7), to which only the depth's own embed_norm is applied. With a cache the
@@ -118,7 +119,8 @@ class InklingMTP(nn.Module):
     def check_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor, previous_hidden: torch.Tensor,
                      cache: MTPCache | None = None, depth: int = 0,
                      inputs_embeds: torch.Tensor | None = None) -> None:
-        """Raise ValueError naming the problem for any bad shape, dtype, device, id or position (reads values: syncs)."""
+        """Raise ValueError naming the problem for any bad shape, dtype, device, id or position (reads values:
+        syncs)."""
         h, n = self.config.hidden_size, self.config.num_depths
         if not 0 <= depth < n:
             raise ValueError(f"depth {depth} out of range: this model has {n} MTP depth(s)")
@@ -134,7 +136,8 @@ class InklingMTP(nn.Module):
             vocab = self.embed_weight.shape[0]
             if lo < 0 or hi >= vocab:
                 bad = lo if lo < 0 else hi
-                raise ValueError(f"token id {bad} out of range: ids must be in [0, {vocab}) (the embedding table's rows)")
+                raise ValueError(f"token id {bad} out of range: ids must be in [0, {vocab}) "
+                                 "(the embedding table's rows)")
         else:
             _check_tensor("inputs_embeds", inputs_embeds, ndim=3, device=self.device, shape=(batch, seq, h),
                           dtype=self.dtype)

@@ -21,6 +21,7 @@ import torch
 
 from ..model import head as model_head
 from ..model.head import mup_logits
+
 if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import Match, PatternMatcherPass
 

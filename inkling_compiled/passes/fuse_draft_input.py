@@ -29,6 +29,7 @@ from ..model import depth_input as model_depth_input
 from ..model import norm as model_norm
 from ..model.depth_input import concat_normed, normed_embedding
 from ..model.norm import rms_norm
+
 if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import Match, PatternMatcherPass
 

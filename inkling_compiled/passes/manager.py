@@ -1,7 +1,7 @@
 """The one object Inductor sees: ordered pattern-matcher sub-passes behind a single ``CustomGraphPass``.
 
-Each fusion module (``fuse_draft_input``, ``fold_mup_scale``) describes its rewrites as :class:`Fusion` objects: a name, a
-``PatternMatcherPass``, the function that fills it, and the source files its behaviour depends on. The
+Each fusion module (``fuse_draft_input``, ``fold_mup_scale``) describes its rewrites as :class:`Fusion` objects: a
+name, a ``PatternMatcherPass``, the function that fills it, and the source files its behaviour depends on. The
 :class:`PassManager` runs them in order on the post-grad graph, counts matches per fusion, and derives its
 ``uuid()`` from the hash of those files, so Inductor's FX graph cache keys on the pass source instead of bypassing
 the cache. Patterns are traced lazily, on the first graph the manager sees (or :meth:`PassManager.ensure_registered`),
@@ -104,7 +104,8 @@ def register(search, replace, example_inputs, patterns: PatternMatcherPass, extr
     if retrace:
         # Skip a pattern that traces identically to one registered before (2-D and 3-D often do); torch versions
         # without the flag neither check nor skip, which is harmless (a duplicate entry never matches twice).
-        skip = {"skip_duplicates": True} if "skip_duplicates" in inspect.signature(register_replacement).parameters else {}
+        skips = "skip_duplicates" in inspect.signature(register_replacement).parameters
+        skip = {"skip_duplicates": True} if skips else {}
         register_replacement(search, replace, list(example_inputs), tracer, patterns, extra_check=check,
                              scalar_workaround=scalar_workaround, **skip)
         return

@@ -263,7 +263,8 @@ _GATE_BIASES = ("mlp.gate.bias", "e_score_correction_bias")
 _ROUTED_DOWN = ("experts.w2_weight", "shared_w2_weight", "experts.down_proj", "shared_experts.down_proj.weight")
 
 
-def init_stats(name: str, shape: tuple[int, ...], *, mup: float = 24.0, route_scale: float = 1.0) -> tuple[float, float]:
+def init_stats(name: str, shape: tuple[int, ...], *, mup: float = 24.0,
+               route_scale: float = 1.0) -> tuple[float, float]:
     """(mean, std) of a tensor named as on disk (raw), in ``InklingMTP`` or in transformers: unit-gain-ish norms and
     scalars, fan-in scaled matrices, a sharp LM head. The one rule set for every random weight the tests and the
     benchmark use."""

@@ -37,8 +37,13 @@ from safetensors import safe_open
 
 from ..checkpoint import INDEX_FILE, MTP_FILE, SAFETENSORS_DTYPES
 from ..config import logits_vocab_size
-from ..testing.synthetic import (cached_checkpoint, default_cache_root, greedy_generation_config, load_hf_target,
-                                 write_directory_once)
+from ..testing.synthetic import (
+    cached_checkpoint,
+    default_cache_root,
+    greedy_generation_config,
+    load_hf_target,
+    write_directory_once,
+)
 
 FORMAT_VERSION = 1  # bump when the training recipe changes the written weights for the same arguments
 METRICS_FILE = "distill.json"
@@ -317,7 +322,8 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.training.distill", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.training.distill",
+                                     description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="raw-layout checkpoint directory to distil (default: the --config preset)")
     src.add_argument("--config", default="tiny", help="synthetic preset to generate and distil (default tiny)")
@@ -332,10 +338,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.checkpoint:
-        checkpoint = Path(args.checkpoint)
-    else:
-        checkpoint = cached_checkpoint(args.config)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else cached_checkpoint(args.config)
     params = {name: getattr(args, name) for name in DEFAULTS}
     out = distill(checkpoint, args.out, force=args.force, **params)
     metrics = load_metrics(out)

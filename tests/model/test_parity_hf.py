@@ -11,7 +11,6 @@ from transformers import InklingForCausalLM
 from transformers.modeling_layers import MtpModel
 
 from inkling_compiled import InklingMTP, MTPConfig
-
 from inkling_compiled.testing.synthetic import randomize_
 from tests.helpers import tiny_text_config
 

@@ -12,7 +12,6 @@ from inkling_compiled.passes import fuse_draft_input
 from inkling_compiled.testing.kernel_stats import compile_fresh
 from inkling_compiled.torch_version import BEFORE_2_13
 
-
 H, V = 64, 96
 EPS = 1e-6
 
@@ -220,7 +219,8 @@ def test_registered_variants():
     """Every dtype pair x order traces to its own pattern; 2-D and 3-D coincide (no reshapes in this block). The
     gather chain also registers each low-precision pair without its norm-to-norm rounding (torch 2.11's graph)."""
     low_precision = sum(act != torch.float32 for act, _ in fuse_draft_input._DTYPES)
-    expected = {"fuse_draft_input_embed": (len(fuse_draft_input._DTYPES) + low_precision) * 2, "fuse_draft_input": len(fuse_draft_input._DTYPES) * 2}
+    dtype_pairs = len(fuse_draft_input._DTYPES)
+    expected = {"fuse_draft_input_embed": (dtype_pairs + low_precision) * 2, "fuse_draft_input": dtype_pairs * 2}
     for fusion in fuse_draft_input.FUSIONS:
         fusion.ensure_registered()
         entries = list(itertools.chain.from_iterable(fusion.patterns.patterns.values()))

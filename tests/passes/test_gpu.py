@@ -12,9 +12,9 @@ from torch._inductor import config as inductor_config
 from inkling_compiled.testing.kernel_stats import compile_fresh
 from tests.helpers import hidden_and_logits_step
 
-from .test_fuse_draft_input import EPS, _depth_input, _inputs
 from .test_fold_mup_scale import MUP, VOCAB, compute_logits, get_top_tokens
 from .test_fold_mup_scale import _inputs as _head_inputs
+from .test_fuse_draft_input import EPS, _depth_input, _inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -6,8 +6,8 @@ import torch
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.testing.kernel_stats import compile_fresh
-from tests.helpers import hidden_and_logits_step
 from inkling_compiled.testing.synthetic import cached_checkpoint
+from tests.helpers import hidden_and_logits_step
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ import torch
 from transformers import DynamicCache, InklingForCausalLM, InklingTextConfig
 
 from inkling_compiled import InklingMTP
-from inkling_compiled.testing import synthetic
 from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, speculative
 from inkling_compiled.runtime.speculative import speculative_generate, target_distribution
+from inkling_compiled.testing import synthetic
 from tests.helpers import random_mtp, tiny_text_config
 
 PAD = 0

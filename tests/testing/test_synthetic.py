@@ -189,7 +189,8 @@ def test_preset_geometry_matches_spec():
     assert (full.vocab_size, full.unpadded_vocab_size, full.num_mtp_layers) == (201024, 200058, 8)
     assert full.mtp_local_layer_ids == [0, 2, 4, 5, 6, 7]
     small = InklingConfig.from_dict(S.small_config()).text_config
-    assert (small.hidden_size, small.intermediate_size, small.vocab_size, small.num_mtp_layers) == (1024, 2816, 32000, 1)
+    dims = (small.hidden_size, small.intermediate_size, small.vocab_size, small.num_mtp_layers)
+    assert dims == (1024, 2816, 32000, 1)
     tiny = InklingConfig.from_dict(S.tiny_config(num_mtp_layers=3, local_layer_ids=[0, 2], use_unpadded=False))
     assert tiny.text_config.num_hidden_layers >= 3 and tiny.text_config.unpadded_vocab_size is None
     assert tiny.text_config.mtp_layer_types == ["hybrid_sliding", "hybrid", "hybrid_sliding"]

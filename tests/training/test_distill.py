@@ -43,7 +43,7 @@ def test_depth_k_reads_token_t_plus_k_plus_1_and_predicts_t_plus_k_plus_2():
     stub = CountingStub(3, vocab)
     _, losses, accs = D.mtp_loss(stub, tokens, hidden, prompt_len=4)
     assert accs == [1.0, 1.0, 1.0]
-    for depth, ids, positions, previous in stub.calls:
+    for depth, ids, positions, _previous in stub.calls:
         n = D.depth_rows(seq, depth)
         assert torch.equal(ids, tokens[:, depth + 1:depth + 1 + n])
         assert torch.equal(positions[0], torch.arange(n))
