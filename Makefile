@@ -1,10 +1,10 @@
-# The two README commands: `make bench` (main job) and `make test`.
+# The README commands: `make bench` (main job), `make test` and `make lint`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: bench test setup
+.PHONY: bench test lint setup
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,3 +20,6 @@ bench: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.config import logits_vocab_size
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.runtime.speculative import speculative_generate
+from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 
 from .step import compile_options
 
@@ -63,35 +65,24 @@ def count_hf_matches():
         MTPCandidateGenerator.update_candidate_strategy = update
 
 
-def _generation_config(target, new_tokens: int):
-    config = target.generation_config.__class__.from_dict(target.generation_config.to_dict())
-    config.eos_token_id = None
-    config.pad_token_id = 0
-    config.do_sample = False
-    config.max_new_tokens = new_tokens
-    config.min_new_tokens = None
-    return config
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig = E2EConfig(), progress=lambda msg: None,
+def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig | None = None, progress=lambda msg: None,
             distill_metrics: dict | None = None) -> dict:
     """Tokens/s and acceptance of each method on ``checkpoint`` (a distilled raw-layout directory), fp32."""
-    from inkling_compiled.synthetic import load_hf_target
-
+    cfg = cfg or E2EConfig()
     device = torch.device(device)
     target = load_hf_target(checkpoint, dtype=torch.float32).to(device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(checkpoint, target=target)
     text = target.config.get_text_config()
-    vocab = text.unpadded_vocab_size or text.vocab_size
+    vocab = logits_vocab_size(text)
     gen = torch.Generator().manual_seed(cfg.seed + 1000)
     prompts = [torch.randint(3, vocab, (1, cfg.prompt_len), generator=gen).to(device) for _ in range(cfg.prompts)]
-    gconfig = _generation_config(target, cfg.new_tokens)
-    gconfig_mtp = _generation_config(target, cfg.new_tokens)
+    gconfig = greedy_generation_config(target, cfg.new_tokens)
+    gconfig_mtp = greedy_generation_config(target, cfg.new_tokens)
     gconfig_mtp.use_mtp = True
     max_length = cfg.prompt_len + cfg.new_tokens + 8
 

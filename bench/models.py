@@ -14,14 +14,13 @@ real depth count or trunk.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from inkling_compiled import InklingMTP, MTPConfig
-from inkling_compiled.synthetic import cached_checkpoint, preset_config
+from inkling_compiled.testing.synthetic import cached_checkpoint, preset_config, randomize_
 
 FULL_OVERRIDES = dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -71,24 +70,6 @@ class Models:
                 "mtp_parameters": sum(p.numel() for n, p in self.mtp.named_parameters() if n.startswith("layers."))}
 
 
-def _randomize_ours(model: InklingMTP, seed: int) -> None:
-    """Same scales as the synthetic checkpoints: unit-ish norm gains, fan-in matrices, a sharp LM head."""
-    gen = torch.Generator(device=model.device).manual_seed(seed)
-    h = model.config.hidden_size
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("global_scale"):
-                p.normal_(1.0, 0.1, generator=gen)
-            elif name == "lm_head_weight":
-                p.normal_(0.0, 2.5 * model.config.mup / math.sqrt(h), generator=gen)
-            elif name == "embed_weight":
-                p.normal_(0.0, 1.0, generator=gen)
-            elif "sconv" in name:
-                p.normal_(0.0, 0.2, generator=gen)
-            else:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1] if p.dim() > 1 else max(1, p.numel())), generator=gen)
-
-
 def _random_models(preset: str, device: torch.device, dtype: torch.dtype, peer: bool, seed: int) -> Models:
     from transformers import InklingConfig
 
@@ -98,7 +79,7 @@ def _random_models(preset: str, device: torch.device, dtype: torch.dtype, peer: 
     with torch.device("meta"):
         mtp = InklingMTP(config)
     mtp = mtp.to_empty(device=device).to(dtype)
-    _randomize_ours(mtp, seed)
+    randomize_(mtp, seed, mup=config.mup)  # the synthetic checkpoints' scales
     mtp.eval().requires_grad_(False)
     target = hf_mtp = None
     if peer:
@@ -136,7 +117,7 @@ def load_checkpoint_models(path, *, preset: str = "custom", device="cpu", dtype=
     path = Path(path)
     target = hf_mtp = None
     if peer:
-        from inkling_compiled.synthetic import load_hf_mtp, load_hf_target
+        from inkling_compiled.testing.synthetic import load_hf_mtp, load_hf_target
 
         target = load_hf_target(path, dtype=dtype).to(device).requires_grad_(False)
         hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype).requires_grad_(False)

@@ -147,7 +147,8 @@ def _compile_lines(comp: dict) -> list[str]:
             ["  Dynamo tracing (s)", g(cold, "dynamo_s"), g(warm, "dynamo_s")],
             ["  AOT + Inductor backend (s)", g(cold, "backend_s"), g(warm, "backend_s")],
             ["  of which Inductor compile_fx (s)", g(cold, "inductor_s"), g(warm, "inductor_s")],
-            ["FX graph cache hit / miss", f"{cold.get('fxgraph_cache_hit', '-')} / {cold.get('fxgraph_cache_miss', '-')}",
+            ["FX graph cache hit / miss",
+             f"{cold.get('fxgraph_cache_hit', '-')} / {cold.get('fxgraph_cache_miss', '-')}",
              f"{warm.get('fxgraph_cache_hit', '-')} / {warm.get('fxgraph_cache_miss', '-')}"],
             [f"recompiles over {cold.get('recompile_steps', '-')} steps (moving positions)",
              str(cold.get("recompiles", "-")), str(warm.get("recompiles", "-"))],
@@ -172,7 +173,8 @@ def _kernel_lines(k: dict) -> list[str]:
 
     rows = [["generated code of the compiled step", "stock", "+ passes"],
             ["kernels (cpp_fused_ / triton)", str(stock.get("kernels", "-")), str(ours.get("kernels", "-"))],
-            ["CPU loop nests (passes over memory)", str(stock.get("loop_nests", "-")), str(ours.get("loop_nests", "-"))],
+            ["CPU loop nests (passes over memory)", str(stock.get("loop_nests", "-")),
+             str(ours.get("loop_nests", "-"))],
             ["extern calls", ext(stock), ext(ours)],
             ["launches (kernels + extern)", str(stock.get("launches", "-")), str(ours.get("launches", "-"))],
             ["pass matches", matches(k.get("matches_no_passes") or {}) if stock else "-",
@@ -182,7 +184,7 @@ def _kernel_lines(k: dict) -> list[str]:
 
 def _latency_lines(lat: dict) -> list[str]:
     v, r = lat["variants"], lat.get("ratios", {})
-    header = ["latency, batch %d (ms)" % lat["batch"], "median", "p10-p90", "vs peer", "vs eager", "x floor"]
+    header = [f"latency, batch {lat['batch']} (ms)", "median", "p10-p90", "vs peer", "vs eager", "x floor"]
     bw = lat.get("bandwidth")
     if bw:
         header.append("HBM frac")
@@ -230,7 +232,8 @@ def _e2e_lines(e2e: dict) -> list[str]:
                      "-" if m.get("outputs_match_target") is None else ("yes" if m["outputs_match_target"] else "NO")])
     lines += _rows(rows, "")
     if "hf_mtp" in e2e["methods"]:
-        lines.append(f"  transformers drafts {e2e.get('hf_mtp_depths')} tokens per round (every depth), ours 1 (depth 0)")
+        lines.append(f"  transformers drafts {e2e.get('hf_mtp_depths')} tokens per round (every depth), "
+                     "ours 1 (depth 0)")
     return lines
 
 

@@ -150,8 +150,8 @@ def latency_section(models, batch: int, args, kernels: dict | None) -> dict:
             plan.append(("cudagraph", True, True))
         for name, passes, graphs in plan:
             progress(f"{models.preset} b{batch}: compiling {name} (in process, FX graph cache off so passes run)")
-            cv = attempt(name, lambda: S.build_compiled(models, inputs, args.max_length, passes=passes,
-                                                        cuda_graphs=graphs))
+            cv = attempt(name, lambda passes=passes, graphs=graphs: S.build_compiled(
+                models, inputs, args.max_length, passes=passes, cuda_graphs=graphs))
             if cv is None:
                 continue
             variants[name] = S.step_fn(cv.drafter, inputs)
@@ -231,8 +231,8 @@ def config_section(preset: str, args) -> dict:
 # ------------------------------------------------------------------------------------------------------ e2e
 
 def e2e_section(args) -> dict:
-    from inkling_compiled.distill import distill, load_metrics
-    from inkling_compiled.synthetic import cached_checkpoint
+    from inkling_compiled.testing.synthetic import cached_checkpoint
+    from inkling_compiled.training.distill import distill, load_metrics
 
     from .e2e import E2EConfig, run_e2e
 
@@ -241,7 +241,8 @@ def e2e_section(args) -> dict:
     distilled = distill(base, progress=True, **({"steps": args.distill_steps} if args.distill_steps else {}))
     cfg = E2EConfig(prompts=args.e2e_prompts, new_tokens=args.e2e_tokens, compiled="compiled" not in args.skip,
                     hf_mtp="peer" not in args.skip)
-    return run_e2e(distilled, device=args.device, cfg=cfg, progress=progress, distill_metrics=_slim(load_metrics(distilled)))
+    return run_e2e(distilled, device=args.device, cfg=cfg, progress=progress,
+                   distill_metrics=_slim(load_metrics(distilled)))
 
 
 def _slim(metrics: dict) -> dict:
@@ -324,7 +325,7 @@ def _run(args, argv) -> dict:
     command = "python -m bench.run" + (" " + shlex.join(given) if given else "")
     result = {
         "schema": SCHEMA_ID, "command": command,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "wall_s": None, "machine": machine_info(args.threads),
         "settings": {"configs": args.configs, "device": args.device, "dtype": args.dtype,
                      "batch_sizes": args.batch_sizes, "context": args.context, "max_length": args.max_length,

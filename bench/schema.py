@@ -23,7 +23,8 @@ PROBE: first_call_s, dynamo_s, backend_s, inductor_s (seconds, >= 0), fxgraph_ca
 recompile_steps (ints >= 0), process_s, cuda_graph (null or {capture_s, ...}).
 KERNELS: kernels, loop_nests, extern_calls, launches (ints >= 0), extern_ops [names].
 LATENCY: batch, context; variants {name: STATS} with names among eager, compiled_nopasses, compiled, compiled_call
-(the compiled function alone on the Drafter's static buffers, CPU), cudagraph, hf_eager, gemm_floor; STATS = {median_ms, p10_ms, p90_ms, min_ms (> 0), n (> 0)}; ratios {speedup_vs_peer,
+(the compiled function alone on the Drafter's static buffers, CPU), cudagraph, hf_eager, gemm_floor;
+STATS = {median_ms, p10_ms, p90_ms, min_ms (> 0), n (> 0)}; ratios {speedup_vs_peer,
 speedup_vs_eager, x_floor: {variant: float > 0}}; gemms [{op, mnk, weight, dtype, count}]; gemm_calls;
 step_bytes {..., total} (bytes the step must read); bandwidth null (CPU) or {copy_gbps, step_bytes, hbm_floor_ms,
 achieved_fraction {variant: float}}; first_call_s {variant: seconds} for the in-process compiles; errors

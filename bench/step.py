@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from inkling_compiled import passes as ic_passes
-from inkling_compiled.passes.kernel_stats import outer_loops
 from inkling_compiled.runtime import Drafter
+from inkling_compiled.testing.kernel_stats import outer_loops
 
 from .floor import GemmFloor, record_gemms, summarize
 from .models import Models
@@ -92,9 +92,9 @@ def cpp_wrapper_stats(code: str) -> dict:
 
 def kernel_summary(code: list[str]) -> dict:
     """Kernel definitions and launches of the compiled step's wrapper(s) (design §3): the Python wrapper through
-    ``inkling_compiled.passes.kernel_stats``, a C++ wrapper (``cpp_wrapper=True``, the drafter's CPU default)
+    ``inkling_compiled.testing.kernel_stats``, a C++ wrapper (``cpp_wrapper=True``, the drafter's CPU default)
     through :func:`cpp_wrapper_stats`."""
-    from inkling_compiled.passes.kernel_stats import kernel_stats
+    from inkling_compiled.testing.kernel_stats import kernel_stats
 
     cpp = [c for c in code if 'extern "C"' in c and "aoti_torch" in c]
     py = [c for c in code if c not in cpp]
@@ -122,7 +122,7 @@ def compile_options(passes: bool, fresh: bool) -> dict:
     (so the global slot does not matter), and ``fresh`` turns the FX graph cache off so the passes really run (on a
     cache hit they do not, and their match counts stay 0). Distinct options objects also give each variant its own
     Dynamo cache entry (Dynamo guards on the backend)."""
-    options = {"post_grad_custom_post_pass": ic_passes.manager() if passes else None}
+    options = {"post_grad_custom_post_pass": ic_passes.pass_manager() if passes else None}
     if fresh:
         options["fx_graph_cache"] = False
     return {"options": options}

@@ -9,7 +9,6 @@ Random MTP weights give (near) zero acceptance: the figures are only meaningful 
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 
@@ -47,33 +46,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _load_hf_target(path, dtype):
-    try:
-        from .synthetic import load_hf_target
-    except ImportError:  # pragma: no cover - fallback while the synthetic module is absent
-        from transformers import InklingForConditionalGeneration
-
-        return InklingForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
-    return load_hf_target(path, dtype=dtype)
-
-
 def build(args):
     """(path, target, drafter) for the parsed arguments."""
     from .model import InklingMTP
     from .runtime.drafter import Drafter
+    from .testing.synthetic import cached_checkpoint, load_hf_target
 
     if args.checkpoint:
         path = args.checkpoint
     else:
-        from .synthetic import cached_checkpoint
-
         path = cached_checkpoint("tiny")
         if args.distilled:  # random MTP weights draft nothing the target accepts
-            from .distill import distill
+            from .training.distill import distill
 
             path = distill(path)
     dtype = DTYPES[args.dtype]
-    target = _load_hf_target(path, dtype).to(args.device).requires_grad_(False)
+    target = load_hf_target(path, dtype=dtype).to(args.device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device)
     drafter = Drafter(mtp, max_batch_size=args.batch, max_length=args.prompt_len + args.max_new_tokens,
                       compile=not args.no_compile)
@@ -94,13 +82,13 @@ def random_prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from .config import logits_vocab_size
     from .runtime.speculative import speculative_generate
+    from .testing.synthetic import greedy_generation_config
 
     torch.manual_seed(args.seed)
     path, target, drafter = build(args)
-    text = target.config.get_text_config()
-    vocab = text.unpadded_vocab_size or text.vocab_size
-    ids, mask = random_prompts(args, vocab)
+    ids, mask = random_prompts(args, logits_vocab_size(target.config.get_text_config()))
     eos = None if args.ignore_eos else target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
 
@@ -137,11 +125,7 @@ def main(argv=None) -> int:
     print(f"time {seconds * 1e3:.1f} ms, {new_tokens / seconds:.1f} tokens/s"
           f"{'' if args.no_warmup else ' (after one warm-up call)'}")
     if args.check:
-        config = copy.deepcopy(target.generation_config)
-        config.eos_token_id = eos
-        if eos is not None and pad is None:
-            config.pad_token_id = eos if isinstance(eos, int) else eos[0]
-        config.do_sample, config.max_new_tokens, config.max_length = False, args.max_new_tokens, None
+        config = greedy_generation_config(target, args.max_new_tokens, eos_token_id=eos)
         reference = target.generate(ids, attention_mask=mask, generation_config=config)
         same = torch.equal(reference, out.sequences)
         print(f"greedy generate() match: {same}")

@@ -1,9 +1,16 @@
-"""Shared test helpers: tiny configs and randomly initialised models (fp32, seeded)."""
+"""Shared test helpers: tiny configs, randomly initialised models (fp32, seeded), one checkpoint in both libraries."""
+
+from types import SimpleNamespace
 
 import torch
 from transformers import InklingTextConfig
 
 from inkling_compiled import InklingMTP, MTPConfig
+from inkling_compiled.testing.synthetic import load_hf_mtp, load_hf_target, randomize_
+
+# Self-distillation in few steps and sequences: seconds on a 2-core CPU, still a clear effect.
+QUICK_DISTILL = dict(steps=60, seq_len=32, batch=16, lr=1e-2, prompt_len=8, num_sequences=64, eval_sequences=16,
+                     seed=0)
 
 
 def tiny_text_config(**overrides) -> InklingTextConfig:
@@ -18,23 +25,19 @@ def tiny_text_config(**overrides) -> InklingTextConfig:
     return InklingTextConfig(**fields)
 
 
-def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Random weights with sane magnitudes; norm gains near 1 so swapped tensors show up as differences."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name or "global_scale" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            else:
-                p.copy_(noise * (0.5 / max(1, p.shape[-1]) ** 0.5) if p.dim() > 1 else 0.2 * noise)
-    return module
-
-
 def random_mtp(text_config: InklingTextConfig | None = None, seed: int = 0, dtype=torch.float32,
                **config_kwargs) -> InklingMTP:
     model = InklingMTP(MTPConfig.from_hf(text_config or tiny_text_config(), **config_kwargs))
-    return randomize_(model, seed).to(dtype).eval().requires_grad_(False)
+    return randomize_(model, seed, mup=model.config.mup).to(dtype).eval().requires_grad_(False)
+
+
+def both_libraries(path) -> SimpleNamespace:
+    """transformers' target and its ``MtpModel``, and our ``InklingMTP`` sharing the target's tensors, all from one
+    raw-layout directory (fp32, CPU)."""
+    target = load_hf_target(path).requires_grad_(False)
+    hf_mtp = load_hf_mtp(target).requires_grad_(False)
+    mtp = InklingMTP.from_pretrained(path, target=target)
+    return SimpleNamespace(target=target, hf_mtp=hf_mtp, mtp=mtp, config=mtp.config)
 
 
 def hidden_and_logits_step(mtp: InklingMTP, depth: int = 0):

@@ -21,8 +21,7 @@ from torch import nn
 
 import inkling_compiled.checkpoint as C
 from inkling_compiled import CheckpointError, ConfigError, InklingMTP
-from inkling_compiled import synthetic as S
-
+from inkling_compiled.testing import synthetic as S
 from tests.helpers import random_mtp, tiny_text_config
 
 SHARED = set(C.SHARED_RAW_KEYS)

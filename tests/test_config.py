@@ -11,9 +11,8 @@ import pytest
 from transformers import InklingConfig, InklingTextConfig, LlamaConfig
 
 from inkling_compiled import ConfigError, MTPConfig
-from inkling_compiled import synthetic as S
 from inkling_compiled.config import FIELD_RULES, logits_vocab_size, read_config_json
-
+from inkling_compiled.testing import synthetic as S
 from tests.helpers import tiny_text_config
 
 

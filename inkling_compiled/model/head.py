@@ -1,7 +1,7 @@
 """The shared LM head with muP (spec §5): logits = (g / mup) @ U^T, truncated to the unpadded vocab.
 
-A plain function so the muP-head pass (``inkling_compiled.passes.mup_head``) traces the same graph the model emits;
-under ``torch.compile`` the division is folded into the GEMM's alpha.
+A plain function so the pass ``inkling_compiled.passes.fold_mup_scale`` traces the same graph the model emits; under
+``torch.compile`` the division is folded into the GEMM's alpha.
 """
 
 import torch

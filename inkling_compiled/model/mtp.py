@@ -16,7 +16,7 @@ from ..checkpoint import RawCheckpoint, save_checkpoint
 from ..config import DepthGeometry, MTPConfig
 from .block import DecoderBlock
 from .cache import DepthCache, MTPCache
-from .draft_input import backbone_embedding, draft_input
+from .depth_input import concat_normed, normed_embedding
 from .head import mup_logits
 from .norm import RMSNorm
 
@@ -34,8 +34,8 @@ class MTPDepth(nn.Module):
 
     def forward(self, embeds: torch.Tensor, previous_hidden: torch.Tensor, positions: torch.Tensor,
                 cache: DepthCache | None = None) -> torch.Tensor:
-        x = draft_input(previous_hidden, embeds, self.hidden_norm.weight, self.embed_norm.weight, self.eps,
-                        self.hidden_first)
+        x = concat_normed(previous_hidden, embeds, self.hidden_norm.weight, self.embed_norm.weight, self.eps,
+                          self.hidden_first)
         return self.transformer_block(self.input_proj(x), positions, cache)
 
 
@@ -91,7 +91,8 @@ class InklingMTP(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, previous_hidden: torch.Tensor,
                 cache: MTPCache | None = None, depth: int = 0,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Run depth ``depth`` over rows [B, T]: ``(input_ids or inputs_embeds, positions, previous_hidden)`` -> [B, T, H].
+        """Run depth ``depth`` over rows [B, T]: ``(input_ids or inputs_embeds, positions, previous_hidden)`` ->
+        [B, T, H].
 
         ``input_ids`` are the tokens x_{t+depth+1}; ``inputs_embeds`` replaces them with already backbone-normed
         embeddings (multimodal rows, spec §7), to which only the depth's own embed_norm is applied. With a cache the
@@ -108,7 +109,7 @@ class InklingMTP(nn.Module):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The target's own (backbone-normed) token embedding."""
-        return backbone_embedding(self.embed_weight, input_ids, self.embed_norm_weight, self.config.rms_norm_eps)
+        return normed_embedding(self.embed_weight, input_ids, self.embed_norm_weight, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(hidden / mup) @ lm_head.T`` truncated to the unpadded vocab: [..., logits_vocab_size]."""
@@ -131,7 +132,8 @@ class InklingMTP(nn.Module):
     def check_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor, previous_hidden: torch.Tensor,
                      cache: MTPCache | None = None, depth: int = 0,
                      inputs_embeds: torch.Tensor | None = None) -> None:
-        """Raise ValueError naming the problem for any bad shape, dtype, device, id or position (reads values: syncs)."""
+        """Raise ValueError naming the problem for any bad shape, dtype, device, id or position (reads values:
+        syncs)."""
         h, n = self.config.hidden_size, self.config.num_depths
         if not 0 <= depth < n:
             raise ValueError(f"depth {depth} out of range: this model has {n} MTP depth(s)")
@@ -147,7 +149,8 @@ class InklingMTP(nn.Module):
             vocab = self.embed_weight.shape[0]
             if lo < 0 or hi >= vocab:
                 bad = lo if lo < 0 else hi
-                raise ValueError(f"token id {bad} out of range: ids must be in [0, {vocab}) (the embedding table's rows)")
+                raise ValueError(f"token id {bad} out of range: ids must be in [0, {vocab}) "
+                                 "(the embedding table's rows)")
         else:
             _check_tensor("inputs_embeds", inputs_embeds, ndim=3, device=self.device, shape=(batch, seq, h),
                           dtype=self.dtype)

@@ -2,8 +2,8 @@
 
 Computed in fp32 and rounded once to the input dtype: ``w * x / sqrt(mean(x^2) + eps)``. This is vLLM's rounding
 (``x * rstd * w`` in fp32, one cast); transformers rounds the normalised value before the gain, a <= 1-ulp
-difference in bf16 and none in fp32. The Inductor draft-input pass matches the graph of :func:`rms_norm`, so the
-model and the pass share this single definition.
+difference in bf16 and none in fp32. The Inductor pass ``fuse_draft_input`` matches the graph of :func:`rms_norm`,
+so the model and the pass share this single definition.
 """
 
 import torch

@@ -17,7 +17,8 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel_size))  # checkpoint layout [C, 1, K]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, T, C]; positions: [B, T]; state: [B_cache, S, C] conv inputs by position, or None (rows = whole sequence)."""
+        """x: [B, T, C]; positions: [B, T]; state: [B_cache, S, C] conv inputs by position, or None (rows = whole
+        sequence)."""
         taps = self._taps(x, positions, state) if state is not None else self._taps_stateless(x)
         w = self.weight.float()
         out = x.float()

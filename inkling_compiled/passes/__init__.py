@@ -5,12 +5,15 @@
     from inkling_compiled import passes
     passes.install()            # idempotent; False (and nothing done) when INKLING_COMPILED_PASSES=0
     compiled = torch.compile(fn)
-    passes.match_counts()       # {"draft_input_embed": 1, "draft_input": 0, "mup_head": 1}
+    passes.match_counts()       # {"fuse_draft_input_embed": 1, "fuse_draft_input": 0, "fold_mup_scale": 1}
     passes.uninstall()          # puts back whatever was in the slot before
 
-Install before the first call of a compiled function: Inductor reads the slot when it compiles. The post slot (not
-the pre one) matters: Inductor's own post-grad patterns would otherwise undo the head's ``addmm`` on GPU. A pass a
-user already put in the slot keeps running, before ours (see :class:`~inkling_compiled.passes.manager.ChainedPass`).
+Every compile in the process then runs the manager, but its patterns match only ops written in
+``inkling_compiled/model/`` (:func:`~inkling_compiled.passes.manager.emitted_by_model`): other models, the
+transformers target included, compile as stock. Install before the first call of a compiled function: Inductor reads
+the slot when it compiles. The post slot (not the pre one) matters: Inductor's own post-grad patterns would otherwise
+undo the head's ``addmm`` on GPU. A pass a user already put in the slot keeps running, before ours (see
+:class:`~inkling_compiled.passes.manager.ChainedPass`).
 Installing costs the import of ``torch._inductor`` (about a second on a small CPU) and no pattern tracing: patterns
 are traced on the first graph the manager sees. Compiles served from the FX graph cache do not run passes, so
 counts only move on real compiles (the cache key holds the manager's uuid, a hash of the pass sources).
@@ -26,11 +29,11 @@ import os
 
 from torch._inductor import config as inductor_config
 
-from . import draft_input, mup_head
+from . import fold_mup_scale, fuse_draft_input
 from .manager import ChainedPass, Fusion, PassManager
 
-__all__ = ["ENV_VAR", "ChainedPass", "Fusion", "PassManager", "enabled_by_env", "install", "installed", "manager",
-           "match_counts", "reset_match_counts", "uninstall"]
+__all__ = ["ENV_VAR", "ChainedPass", "Fusion", "PassManager", "enabled_by_env", "install", "installed",
+           "match_counts", "pass_manager", "reset_match_counts", "uninstall"]
 
 ENV_VAR = "INKLING_COMPILED_PASSES"  # "0" / "false" / "off" / "no": install() does nothing
 _OFF = ("0", "false", "off", "no")
@@ -38,11 +41,11 @@ _OFF = ("0", "false", "off", "no")
 _manager: PassManager | None = None
 
 
-def manager() -> PassManager:
+def pass_manager() -> PassManager:
     """The process-wide manager (all fusions, in order); built on first use, patterns traced on its first graph."""
     global _manager
     if _manager is None:
-        _manager = PassManager(draft_input.FUSIONS + mup_head.FUSIONS)
+        _manager = PassManager(fuse_draft_input.FUSIONS + fold_mup_scale.FUSIONS)
     return _manager
 
 
@@ -80,7 +83,7 @@ def install() -> bool:
     """
     if not enabled_by_env():
         return installed()
-    ours = manager()
+    ours = pass_manager()
     slot = inductor_config.post_grad_custom_post_pass
     if _contains_ours(slot, ours):
         return True
@@ -90,7 +93,7 @@ def install() -> bool:
 
 def uninstall() -> bool:
     """Take the manager out of the slot, leaving any other pass as it was. Returns whether it was installed."""
-    ours = manager()
+    ours = pass_manager()
     slot = inductor_config.post_grad_custom_post_pass
     if not _contains_ours(slot, ours):
         return False
@@ -99,13 +102,13 @@ def uninstall() -> bool:
 
 
 def installed() -> bool:
-    return _contains_ours(inductor_config.post_grad_custom_post_pass, manager())
+    return _contains_ours(inductor_config.post_grad_custom_post_pass, pass_manager())
 
 
 def match_counts() -> dict[str, int]:
     """Matches per fusion since the last :func:`reset_match_counts` (real compiles only, not cache hits)."""
-    return manager().match_counts()
+    return pass_manager().match_counts()
 
 
 def reset_match_counts() -> None:
-    manager().reset_counts()
+    pass_manager().reset_counts()

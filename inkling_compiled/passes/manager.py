@@ -1,28 +1,35 @@
 """The one object Inductor sees: ordered pattern-matcher sub-passes behind a single ``CustomGraphPass``.
 
-Each fusion module (``draft_input``, ``mup_head``) describes its rewrites as :class:`Fusion` objects: a name, a
-``PatternMatcherPass``, the function that fills it, and the source files its behaviour depends on. The
+Each fusion module (``fuse_draft_input``, ``fold_mup_scale``) describes its rewrites as :class:`Fusion` objects: a
+name, a ``PatternMatcherPass``, the function that fills it, and the source files its behaviour depends on. The
 :class:`PassManager` runs them in order on the post-grad graph, counts matches per fusion, and derives its
 ``uuid()`` from the hash of those files, so Inductor's FX graph cache keys on the pass source instead of bypassing
 the cache. Patterns are traced lazily, on the first graph the manager sees (or :meth:`PassManager.ensure_registered`),
 so importing the package costs no tracing.
+
+The passes sit in a process-wide slot, so every ``torch.compile`` in the process runs them: :func:`register` makes
+each pattern fire only on ops the model wrote (:func:`emitted_by_model`), so that any other model compiled next to
+ours, the transformers target included, stays stock.
 
 :class:`ChainedPass` lets the manager share ``post_grad_custom_post_pass`` with a pass a user put there first.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
+import os
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .. import model as model_package
 
 if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import Match, PatternMatcherPass
@@ -82,7 +89,8 @@ def register(search, replace, example_inputs, patterns: PatternMatcherPass, extr
     ``example_inputs`` fix only dtypes and ranks; ``scalar_workaround`` names the literal arguments (eps, scale)
     and the stand-in value traced for each.
 
-    The first match ignores every int, float, list and dtype literal. With ``retrace`` (the default), Inductor then
+    Every pattern also requires :func:`emitted_by_model`. The first match ignores every int, float, list and dtype
+    literal. With ``retrace`` (the default), Inductor then
     re-traces ``search`` at the match's real shapes and dtypes and requires the graph to equal that trace exactly.
     A search with reshapes cannot use that under dynamic shapes: the re-trace spells each symbolic size as its own
     expression, while the graph computes it once for several reshapes. ``retrace=False`` keeps the first pattern,
@@ -90,11 +98,15 @@ def register(search, replace, example_inputs, patterns: PatternMatcherPass, extr
     """
     from torch._inductor.pattern_matcher import PatternPrettyPrinter, gen_pattern, register_replacement
 
+    def check(match: Match) -> bool:
+        return emitted_by_model(match) and extra_check(match)
+
     if retrace:
         # Skip a pattern that traces identically to one registered before (2-D and 3-D often do); torch versions
         # without the flag neither check nor skip, which is harmless (a duplicate entry never matches twice).
-        skip = {"skip_duplicates": True} if "skip_duplicates" in inspect.signature(register_replacement).parameters else {}
-        register_replacement(search, replace, list(example_inputs), tracer, patterns, extra_check=extra_check,
+        skips = "skip_duplicates" in inspect.signature(register_replacement).parameters
+        skip = {"skip_duplicates": True} if skips else {}
+        register_replacement(search, replace, list(example_inputs), tracer, patterns, extra_check=check,
                              scalar_workaround=scalar_workaround, **skip)
         return
     pattern = gen_pattern(search, list(example_inputs), tracer, scalar_workaround)
@@ -103,8 +115,46 @@ def register(search, replace, example_inputs, patterns: PatternMatcherPass, extr
     if key in seen:  # 2-D and 3-D or two dtypes can trace to one pattern
         return
     seen.add(key)
-    register_replacement(search, replace, list(example_inputs), tracer, patterns, extra_check=extra_check,
+    register_replacement(search, replace, list(example_inputs), tracer, patterns, extra_check=check,
                          scalar_workaround=scalar_workaround, search_fn_pattern=pattern)
+
+
+# Directories whose code the passes may rewrite: the model's modules (the patterns are traced from its functions).
+MODEL_SOURCE_DIRS = (os.path.dirname(os.path.realpath(model_package.__file__)),)
+_TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+_FRAME_FILE = re.compile(r'^\s*File "(.+)", line \d+, in ', re.M)
+
+
+@functools.lru_cache(maxsize=4096)
+def _innermost_caller(stack_trace: str) -> str | None:
+    """The file of the innermost frame outside torch (``F.pad`` and friends add torch's own frames below it)."""
+    for file in reversed(_FRAME_FILE.findall(stack_trace)):
+        path = os.path.realpath(file)
+        if not path.startswith(_TORCH_DIR):
+            return path
+    return None
+
+
+def emitted_by_model(match: Match) -> bool:
+    """Every matched op that names its source was written in the model's modules, and at least one does.
+
+    Dynamo records each op's Python stack as ``meta["stack_trace"]``; AOTAutograd copies it onto the ATen ops it
+    traces, and Inductor's own rewrites before ours copy it onto their replacements, so every post-grad node of the
+    model's graphs carries one (torch 2.13). Ops without one say nothing either way. A look-alike in other code
+    (``F.linear(x / c, W)``, an RMSNorm + cat of its own) is left alone; the tests on the real model graph fail
+    should a torch release stop carrying the stack over.
+    """
+    dirs = tuple(d.rstrip(os.sep) + os.sep for d in MODEL_SOURCE_DIRS)
+    named = False
+    for node in match.nodes:
+        stack_trace = node.meta.get("stack_trace")
+        caller = _innermost_caller(stack_trace) if stack_trace else None
+        if caller is None:
+            continue
+        if not caller.startswith(dirs):
+            return False
+        named = True
+    return named
 
 
 def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from ..model.mtp import InklingMTP
+from ..torch_version import BEFORE_2_13
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 DEFAULT_GRAPH_ROWS = (1, 2)  # the K=1 decode windows: one row after a rejection, two after an acceptance
 RECOMPILE_LIMIT = 64  # one compiled graph per (batch bucket, row bucket, mode); raised only around our own calls
 # torch 2.11's C++ codegen emits a vectorized 2-D tile of the step's cache-write kernel that reads an index before
 # declaring it (CppCompileError: 'tmpNN' was not declared); scalar CPU code compiles and is correct. 2.13 is fine.
-CPU_CODEGEN_WORKAROUNDS = {"cpp.simdlen": 1} if torch.torch_version.TorchVersion(torch.__version__) < (2, 13) else {}
+CPU_CODEGEN_WORKAROUNDS = {"cpp.simdlen": 1} if BEFORE_2_13 else {}
 
 
 def check_temperature(temperature) -> None:

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from ..config import logits_vocab_size
 from .drafter import check_temperature
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
@@ -238,7 +239,7 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
         raise ValueError(
             f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} - 1 exceeds the drafter's max_length "
             f"{drafter.max_length}; build the Drafter with max_length >= {longest + max_new_tokens - 1}")
-    logits_vocab = text.unpadded_vocab_size or text.vocab_size
+    logits_vocab = logits_vocab_size(text)
     draft_config = getattr(getattr(drafter, "model", None), "config", None)
     draft_vocab = getattr(draft_config, "logits_vocab_size", None)
     if draft_vocab is not None and draft_vocab != logits_vocab:

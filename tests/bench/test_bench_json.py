@@ -9,8 +9,8 @@ import torch
 
 from bench import report, run
 from bench.compile_probe import _split
-from bench.step import kernel_summary
 from bench.schema import SCHEMA_ID, validate
+from bench.step import kernel_summary
 
 
 @pytest.fixture(scope="module")

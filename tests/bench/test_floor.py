@@ -6,7 +6,6 @@ import torch
 from bench.floor import GemmFloor, record_gemms, summarize
 from bench.timing import measure
 from inkling_compiled.runtime import Drafter
-
 from tests.helpers import random_mtp
 
 BATCH, CONTEXT, MAX_LENGTH = 2, 12, 32
@@ -63,7 +62,7 @@ def test_floor_replays_the_same_ops_shapes_and_strides(recorded):
     _, gemms, _, _ = recorded
     floor = GemmFloor(gemms, "cpu")
     assert len(floor.calls) == len(gemms)
-    for (op, args, kwargs), g in zip(floor.calls, gemms):
+    for (op, args, _kwargs), g in zip(floor.calls, gemms):
         assert op is g.op
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         assert [tuple(t.shape) for t in tensors] == [o.shape for o in g.operands]

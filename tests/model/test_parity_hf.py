@@ -11,8 +11,8 @@ from transformers import InklingForCausalLM
 from transformers.modeling_layers import MtpModel
 
 from inkling_compiled import InklingMTP, MTPConfig
-
-from tests.helpers import randomize_, tiny_text_config
+from inkling_compiled.testing.synthetic import randomize_
+from tests.helpers import tiny_text_config
 
 # transformers MtpLayer / InklingDecoderLayer name -> InklingMTP name (per depth)
 HF_TO_OURS = {
@@ -42,8 +42,9 @@ def hf_pair(text_config, seed=0, **mtp_kwargs):
     """A random transformers MtpModel and our InklingMTP holding the very same weights."""
     torch.manual_seed(seed)
     target = InklingForCausalLM(text_config).eval()
-    hf = randomize_(MtpModel(target, text_config.num_mtp_layers), seed).eval()
-    randomize_(target, seed + 1)
+    mup = text_config.logits_mup_width_multiplier
+    hf = randomize_(MtpModel(target, text_config.num_mtp_layers), seed, mup=mup).eval()
+    randomize_(target, seed + 1, mup=mup)
     ours = InklingMTP(MTPConfig.from_hf(text_config, **mtp_kwargs)).eval()
     state = {}
     for i, layer in enumerate(hf.layers):

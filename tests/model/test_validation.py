@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from inkling_compiled.runtime.drafter import Drafter
-
 from tests.helpers import random_mtp
 
 B, T, MAX_LEN = 2, 3, 8
@@ -262,7 +261,7 @@ def test_batch_larger_than_drafter(drafter):
         drafter.draft(ids, positions, torch.zeros(B + 1, T, 64))
 
 
-# ------------------------------------------------------------------------------------------------ forward-only arguments
+# ----------------------------------------------------------------------------------------------- forward-only arguments
 
 
 @pytest.mark.parametrize("depth", [2, -1, 100])

@@ -1,8 +1,15 @@
-"""Fixtures for the pass tests: an isolated post-grad slot, and bf16 ulp distance."""
+"""Fixtures for the pass tests: an isolated post-grad slot, code in tests/ counted as the model's, bf16 ulp
+distance."""
+
+from pathlib import Path
 
 import pytest
 import torch
 from torch._inductor import config as inductor_config
+
+from inkling_compiled.passes import manager
+
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.fixture
@@ -12,6 +19,13 @@ def empty_slot():
     inductor_config.post_grad_custom_post_pass = None
     yield
     inductor_config.post_grad_custom_post_pass = saved
+
+
+@pytest.fixture
+def tests_count_as_model(monkeypatch):
+    """The passes also rewrite ops written under tests/, as if the model had written them: for the tests of a fusion's
+    own conditions (eps, dtypes, shapes, spellings) on graphs that the model's functions cannot produce."""
+    monkeypatch.setattr(manager, "MODEL_SOURCE_DIRS", (*manager.MODEL_SOURCE_DIRS, TESTS_DIR))
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

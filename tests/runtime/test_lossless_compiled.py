@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
-from inkling_compiled.distill import distill
 from inkling_compiled.runtime import Drafter, speculative_generate
-from inkling_compiled.synthetic import cached_checkpoint, load_hf_target
+from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
+from inkling_compiled.training.distill import distill
 
 NEW_TOKENS = 12
 

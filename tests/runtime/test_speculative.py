@@ -15,22 +15,15 @@ import pytest
 import torch
 from transformers import DynamicCache, InklingForCausalLM, InklingTextConfig
 
-from inkling_compiled import InklingMTP, synthetic
+from inkling_compiled import InklingMTP
 from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, speculative
 from inkling_compiled.runtime.speculative import speculative_generate, target_distribution
+from inkling_compiled.testing import synthetic
 from tests.helpers import random_mtp, tiny_text_config
 
 PAD = 0
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # 2 shared cores: one intra-op thread is several times faster (and steadier) for these tiny shapes.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_target(*, vocab=128, unpadded=120, hidden=64, mlp=("dense", "sparse"), seed=0, init=0.2, mup=2.0):

@@ -1,17 +1,16 @@
-"""Pass A (draft input block -> one kernel): what fires, what the kernel count becomes, and that nothing changes
-numerically (bitwise equal to the unfused compile)."""
+"""fuse_draft_input (a depth's input block -> one kernel): what fires, what the kernel count becomes, and that
+nothing changes numerically (bitwise equal to the unfused compile)."""
 
 import itertools
 
 import pytest
 import torch
 
-from inkling_compiled.model.draft_input import backbone_embedding, draft_input
+from inkling_compiled.model.depth_input import concat_normed, normed_embedding
 from inkling_compiled.model.norm import rms_norm
-from inkling_compiled.passes import draft_input as pass_a
-from inkling_compiled.passes.kernel_stats import compile_fresh
-
-TORCH_BEFORE_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+from inkling_compiled.passes import fuse_draft_input
+from inkling_compiled.testing.kernel_stats import compile_fresh
+from inkling_compiled.torch_version import BEFORE_2_13
 
 H, V = 64, 96
 EPS = 1e-6
@@ -32,8 +31,8 @@ def _depth_input(hidden_first, pre_norm=True):
     """One depth's input block exactly as the model calls it (ids path)."""
 
     def block(hidden, table, ids, w_pre, w_h, w_e):
-        e = backbone_embedding(table, ids, w_pre if pre_norm else None, EPS)
-        return draft_input(hidden, e, w_h, w_e, EPS, hidden_first)
+        e = normed_embedding(table, ids, w_pre if pre_norm else None, EPS)
+        return concat_normed(hidden, e, w_h, w_e, EPS, hidden_first)
 
     return block
 
@@ -50,18 +49,18 @@ def _fired(run, **expected):
 @pytest.mark.parametrize("lead", [(5,), (2, 3)])
 def test_replacements_equal_patterns_eagerly(dtype, hidden_first, lead):
     hidden, table, ids, w_pre, w_h, w_e, embeds = _inputs(dtype, lead)
-    full = pass_a._embed_search(hidden_first)(hidden, table, ids, w_pre, w_h, w_e, EPS)
-    full_one = pass_a._embed_replace(hidden_first)(hidden, table, ids, w_pre, w_h, w_e, EPS)
+    full = fuse_draft_input._embed_search(hidden_first)(hidden, table, ids, w_pre, w_h, w_e, EPS)
+    full_one = fuse_draft_input._embed_replace(hidden_first)(hidden, table, ids, w_pre, w_h, w_e, EPS)
     assert torch.equal(full, full_one)
-    bare = pass_a._bare_search(hidden_first)(hidden, embeds, w_h, w_e, EPS)
-    bare_one = pass_a._bare_replace(hidden_first)(hidden, embeds, w_h, w_e, EPS)
+    bare = fuse_draft_input._bare_search(hidden_first)(hidden, embeds, w_h, w_e, EPS)
+    bare_one = fuse_draft_input._bare_replace(hidden_first)(hidden, embeds, w_h, w_e, EPS)
     assert torch.equal(bare, bare_one)
 
 
 def test_recomputed_norm_is_the_model_norm():
     x = torch.randn(4, 2, H).to(torch.bfloat16)
     w = torch.rand(2, H) + 0.5
-    assert torch.equal(pass_a._rms_norm_recomputed(lambda: x, w, EPS), rms_norm(x, w, EPS))
+    assert torch.equal(fuse_draft_input._rms_norm_recomputed(lambda: x, w, EPS), rms_norm(x, w, EPS))
 
 
 # --- compiled: matches, kernel count, bitwise equality ----------------------------------------------------------
@@ -85,7 +84,7 @@ def test_ids_path_becomes_one_loop_nest(dtype, wdt, lead, hidden_first, shared, 
     block = _depth_input(hidden_first)
     stock = compile_fresh(block, *args, passes=False)
     fused = compile_fresh(block, *args, passes=True)
-    assert _fired(fused, draft_input_embed=1)
+    assert _fired(fused, fuse_draft_input_embed=1)
     assert (stock.stats.cpp_kernels, stock.stats.loop_nests) == (1, stock_nests)
     assert (fused.stats.cpp_kernels, fused.stats.loop_nests) == (1, 1)
     assert fused.stats.extern_calls == stock.stats.extern_calls == []
@@ -101,7 +100,7 @@ def _assert_two_norm_fusion_makes_one_nest(block, *args):
     """The two-norm fusion fires once, turns stock's 2 loop nests into 1, and changes no bit of the output."""
     stock = compile_fresh(block, *args, passes=False)
     fused = compile_fresh(block, *args, passes=True)
-    assert _fired(fused, draft_input=1)
+    assert _fired(fused, fuse_draft_input=1)
     assert (stock.stats.loop_nests, fused.stats.loop_nests) == (2, 1)
     assert torch.equal(fused.output, stock.output)
 
@@ -111,7 +110,7 @@ def test_inputs_embeds_path_becomes_one_loop_nest(dtype, lead, hidden_first):
     hidden, _, _, _, w_h, w_e, embeds = _inputs(dtype, lead)
 
     def block(hidden, embeds, w_h, w_e):  # multimodal: the embedding is an input, only the depth norms remain
-        return draft_input(hidden, embeds, w_h, w_e, EPS, hidden_first)
+        return concat_normed(hidden, embeds, w_h, w_e, EPS, hidden_first)
 
     _assert_two_norm_fusion_makes_one_nest(block, hidden, embeds, w_h, w_e)
 
@@ -129,7 +128,7 @@ def test_symbolic_lengths_still_fire():
     args = (hidden, table, ids, w_pre, w_h, w_e)
     stock = compile_fresh(_depth_input(True), *args, passes=False)
     fused = compile_fresh(_depth_input(True), *args, passes=True)
-    assert _fired(fused, draft_input_embed=1)
+    assert _fired(fused, fuse_draft_input_embed=1)
     assert fused.stats.loop_nests < stock.stats.loop_nests
     assert torch.equal(fused.output, stock.output)
 
@@ -148,6 +147,7 @@ def test_eps_as_a_graph_input_does_not_fire():
 
 
 
+@pytest.mark.usefixtures("tests_count_as_model")
 def test_depth_norms_with_different_eps_do_not_fire():
     hidden, _, _, _, w_h, w_e, embeds = _inputs(torch.float32, (7,))
 
@@ -159,18 +159,18 @@ def test_depth_norms_with_different_eps_do_not_fire():
     torch.testing.assert_close(run.output, block(hidden, embeds, w_h, w_e), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(TORCH_BEFORE_2_13, reason="torch 2.11 drops the bf16 rounding between the norms before our pass")
+@pytest.mark.skipif(BEFORE_2_13, reason="torch 2.11 drops the bf16 rounding between the norms before our pass")
 def test_backbone_eps_differing_from_depth_eps_leaves_only_the_two_norm_fusion():
     hidden, table, ids, w_pre, w_h, w_e, _ = _inputs(torch.bfloat16, (7,))
 
     def block(hidden, table, ids, w_pre, w_h, w_e):
-        e = backbone_embedding(table, ids, w_pre, 1e-5)
-        return draft_input(hidden, e, w_h, w_e, EPS, True)
+        e = normed_embedding(table, ids, w_pre, 1e-5)
+        return concat_normed(hidden, e, w_h, w_e, EPS, True)
 
     args = (hidden, table, ids, w_pre, w_h, w_e)
     stock = compile_fresh(block, *args, passes=False)
     run = compile_fresh(block, *args, passes=True)
-    assert _fired(run, draft_input=1)
+    assert _fired(run, fuse_draft_input=1)
     assert stock.stats.loop_nests == run.stats.loop_nests == 2  # the backbone norm keeps its own pass
     assert torch.equal(run.output, stock.output)
 
@@ -179,16 +179,17 @@ def test_backbone_norm_read_elsewhere_is_not_swallowed():
     hidden, table, ids, w_pre, w_h, w_e, _ = _inputs(torch.float32, (7,))
 
     def block(hidden, table, ids, w_pre, w_h, w_e):
-        e = backbone_embedding(table, ids, w_pre, EPS)
-        return draft_input(hidden, e, w_h, w_e, EPS, True), e  # e has a second reader
+        e = normed_embedding(table, ids, w_pre, EPS)
+        return concat_normed(hidden, e, w_h, w_e, EPS, True), e  # e has a second reader
 
     args = (hidden, table, ids, w_pre, w_h, w_e)
     run = compile_fresh(block, *args, passes=True)
-    assert run.matches["draft_input_embed"] == 0
+    assert run.matches["fuse_draft_input_embed"] == 0
     for got, want in zip(run.output, block(*args)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("tests_count_as_model")
 def test_norm_with_unshared_input_does_not_fire():
     hidden, _, _, _, w_h, w_e, embeds = _inputs(torch.float32, (7,))
 
@@ -207,19 +208,20 @@ def test_mixed_dtype_halves_do_not_fire():
     embeds = embeds.to(torch.bfloat16)  # cat promotes the bf16 half: one [.., 2, H] tensor cannot hold both
 
     def block(hidden, embeds, w_h, w_e):
-        return draft_input(hidden, embeds, w_h, w_e, EPS, True)
+        return concat_normed(hidden, embeds, w_h, w_e, EPS, True)
 
     run = compile_fresh(block, hidden, embeds, w_h, w_e, passes=True)
     assert _fired(run)
 
 
-@pytest.mark.skipif(TORCH_BEFORE_2_13, reason="torch 2.11 cannot skip duplicate patterns: 2-D and 3-D both register")
+@pytest.mark.skipif(BEFORE_2_13, reason="torch 2.11 cannot skip duplicate patterns: 2-D and 3-D both register")
 def test_registered_variants():
     """Every dtype pair x order traces to its own pattern; 2-D and 3-D coincide (no reshapes in this block). The
     gather chain also registers each low-precision pair without its norm-to-norm rounding (torch 2.11's graph)."""
-    low_precision = sum(act != torch.float32 for act, _ in pass_a._DTYPES)
-    expected = {"draft_input_embed": (len(pass_a._DTYPES) + low_precision) * 2, "draft_input": len(pass_a._DTYPES) * 2}
-    for fusion in pass_a.FUSIONS:
+    low_precision = sum(act != torch.float32 for act, _ in fuse_draft_input._DTYPES)
+    dtype_pairs = len(fuse_draft_input._DTYPES)
+    expected = {"fuse_draft_input_embed": (dtype_pairs + low_precision) * 2, "fuse_draft_input": dtype_pairs * 2}
+    for fusion in fuse_draft_input.FUSIONS:
         fusion.ensure_registered()
         entries = list(itertools.chain.from_iterable(fusion.patterns.patterns.values()))
         assert len(entries) == expected[fusion.name], fusion.name

@@ -1,9 +1,9 @@
-"""Pass A: an MTP depth's input block as one reduction kernel (design §3 "Fusion 1"; spec §4.2-§4.4).
+"""An MTP depth's input block as one reduction kernel (design §3 "Fusion 1"; spec §4.2-§4.4).
 
-What the model emits per depth (``inkling_compiled.model.draft_input``)::
+What the model emits per depth (``inkling_compiled.model.depth_input``)::
 
-    e = backbone_embedding(E, ids, w_pre, eps)     # bf16(rms_norm(E[ids], w_pre)); no norm when w_pre is None
-    z = draft_input(h, e, w_h, w_e, eps, True)     # cat([rms_norm(h, w_h), rms_norm(e, w_e)], -1), or embed-first
+    e = normed_embedding(E, ids, w_pre, eps)       # bf16(rms_norm(E[ids], w_pre)); no norm when w_pre is None
+    z = concat_normed(h, e, w_h, w_e, eps, True)   # cat([rms_norm(h, w_h), rms_norm(e, w_e)], -1), or embed-first
 
 Stock Inductor already writes both halves straight into the concat buffer, but as two loop nests (two Triton
 kernels on GPU): one per half. The replacements put the halves on the two rows of a ``[..., 2, H]`` tensor, so
@@ -13,8 +13,8 @@ through the same ops in the same order as in the unfused graph, so the result is
 
 Two fusions, tried in this order on the ``cat`` node:
 
-* ``draft_input_embed``: gather + backbone norm + its rounding to the table dtype + both depth norms + cat.
-* ``draft_input``: the two depth norms + cat, whatever produced the embedding: the ``inputs_embeds`` path, a raw
+* ``fuse_draft_input_embed``: gather + backbone norm + its rounding to the table dtype + both depth norms + cat.
+* ``fuse_draft_input``: the two depth norms + cat, whatever produced the embedding: the ``inputs_embeds`` path, a raw
   gather (no backbone norm; Inductor inlines the gather into the kernel), or a chain the first fusion declined.
 """
 
@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import draft_input as model_draft_input
+from ..model import depth_input as model_depth_input
 from ..model import norm as model_norm
-from ..model.draft_input import backbone_embedding, draft_input
+from ..model.depth_input import concat_normed, normed_embedding
 from ..model.norm import rms_norm
+
 if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import Match, PatternMatcherPass
 
@@ -77,20 +78,20 @@ def _ordered(hidden_first: bool, hidden_side, embed_side):
     return (hidden_side, embed_side) if hidden_first else (embed_side, hidden_side)
 
 
-# --- fusion "draft_input_embed": gather + backbone norm + both depth norms + cat ------------------------------
+# --- fusion "fuse_draft_input_embed": gather + backbone norm + both depth norms + cat -------------------------
 
 
 def _embed_search(hidden_first: bool):
     # The model's own two calls (the pattern is what mtp.py emits, by construction).
-    def draft_input_from_ids(hidden, table, input_ids, pre_norm_weight, hidden_norm_weight, embed_norm_weight, eps):
-        embeds = backbone_embedding(table, input_ids, pre_norm_weight, eps)
-        return draft_input(hidden, embeds, hidden_norm_weight, embed_norm_weight, eps, hidden_first)
+    def concat_normed_from_ids(hidden, table, input_ids, pre_norm_weight, hidden_norm_weight, embed_norm_weight, eps):
+        embeds = normed_embedding(table, input_ids, pre_norm_weight, eps)
+        return concat_normed(hidden, embeds, hidden_norm_weight, embed_norm_weight, eps, hidden_first)
 
-    return draft_input_from_ids
+    return concat_normed_from_ids
 
 
 def _embed_replace(hidden_first: bool):
-    def draft_input_from_ids_one_kernel(hidden, table, input_ids, pre_norm_weight, hidden_norm_weight,
+    def concat_normed_from_ids_one_kernel(hidden, table, input_ids, pre_norm_weight, hidden_norm_weight,
                                         embed_norm_weight, eps):
         embed_row = ~_row_mask(hidden) if hidden_first else _row_mask(hidden)
 
@@ -98,35 +99,35 @@ def _embed_replace(hidden_first: bool):
             # Row of the hidden: the hidden itself. Row of the embedding: its backbone norm, rounded to the table
             # dtype (spec §4.9). The backbone norm of the hidden row is computed too, then discarded: that keeps
             # both reductions in the same [..., 2] iteration space.
-            gathered = backbone_embedding(table, input_ids, None, eps)
+            gathered = normed_embedding(table, input_ids, None, eps)
             x = _rows(*_ordered(hidden_first, hidden, gathered))
             return torch.where(embed_row, rms_norm(x, pre_norm_weight, eps), x)
 
         weight = torch.where(_row_mask(hidden), *_ordered(hidden_first, hidden_norm_weight, embed_norm_weight))
         return _rms_norm_recomputed(depth_norm_input, weight, eps).flatten(-2)
 
-    return draft_input_from_ids_one_kernel
+    return concat_normed_from_ids_one_kernel
 
 
-# --- fusion "draft_input": the two depth norms + cat ----------------------------------------------------------
+# --- fusion "fuse_draft_input": the two depth norms + cat -----------------------------------------------------
 
 
 def _bare_search(hidden_first: bool):
-    # draft_input alone: the inputs_embeds path (no gather in the graph), or a gather without backbone norm.
-    def draft_input_from_embeds(hidden, embeds, hidden_norm_weight, embed_norm_weight, eps):
-        return draft_input(hidden, embeds, hidden_norm_weight, embed_norm_weight, eps, hidden_first)
+    # concat_normed alone: the inputs_embeds path (no gather in the graph), or a gather without backbone norm.
+    def concat_normed_from_embeds(hidden, embeds, hidden_norm_weight, embed_norm_weight, eps):
+        return concat_normed(hidden, embeds, hidden_norm_weight, embed_norm_weight, eps, hidden_first)
 
-    return draft_input_from_embeds
+    return concat_normed_from_embeds
 
 
 def _bare_replace(hidden_first: bool):
-    def draft_input_from_embeds_one_kernel(hidden, embeds, hidden_norm_weight, embed_norm_weight, eps):
+    def concat_normed_from_embeds_one_kernel(hidden, embeds, hidden_norm_weight, embed_norm_weight, eps):
         # Recomputed rows even here: ``embeds`` may itself be an unstored pointwise chain (e.g. a backbone norm
         # with another eps), and then one shared copy of the rows would be stored and reduced in a pass of its own.
         weight = torch.where(_row_mask(hidden), *_ordered(hidden_first, hidden_norm_weight, embed_norm_weight))
         return _rms_norm_recomputed(lambda: _rows(*_ordered(hidden_first, hidden, embeds)), weight, eps).flatten(-2)
 
-    return draft_input_from_embeds_one_kernel
+    return concat_normed_from_embeds_one_kernel
 
 
 # --- predicates ----------------------------------------------------------------------------------------------
@@ -219,9 +220,9 @@ def _register_two_norms(patterns: PatternMatcherPass) -> None:
                  patterns, _two_norms_fit, {"eps": _EPS_PLACEHOLDER})
 
 
-_SOURCES = (__file__, model_draft_input.__file__, model_norm.__file__)
+_SOURCES = (__file__, model_depth_input.__file__, model_norm.__file__)
 
 FUSIONS = (
-    Fusion("draft_input_embed", _register_embed_chain, _SOURCES),
-    Fusion("draft_input", _register_two_norms, _SOURCES),
+    Fusion("fuse_draft_input_embed", _register_embed_chain, _SOURCES),
+    Fusion("fuse_draft_input", _register_two_norms, _SOURCES),
 )

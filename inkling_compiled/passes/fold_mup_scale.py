@@ -1,4 +1,4 @@
-"""Pass B: the muP LM head as one GEMM with the scale in its alpha (design §3 "Fusion 2"; spec §5).
+"""The muP LM head as one GEMM with the scale in its alpha (design §3 "Fusion 2"; spec §5).
 
 The model emits ``mup_logits``: ``F.linear(hidden / mup, U)[..., :vocab]``. Post-grad that is
 ``div -> (reshape) -> mm(., permute(U)) -> (reshape) -> slice``: a pointwise kernel for the division and an extern
@@ -7,9 +7,9 @@ fp32 epilogue, as vLLM does, and no pointwise kernel at all. In bf16 the logits 
 by 1 ulp (the scaled hidden is no longer rounded to bf16 before the GEMM); in fp32 by float rounding only.
 
 The pattern stops at the GEMM, so the slice to the unpadded vocab, an ``argmax`` (``get_top_tokens``) or a
-softmax stay behind as its consumers and never change what matches. The same rewrite takes the scale in the other
-spellings of a scaled linear: ``linear(x * c, W)``, ``linear(x, W) / s`` and ``linear(x, W) * c``. A tensor
-scale (0-d or not) never matches: alpha must be a literal.
+softmax stay behind as its consumers and never change what matches. Only the model's own spelling is registered,
+and only the model's ops match (see :func:`~inkling_compiled.passes.manager.emitted_by_model`). A tensor scale (0-d
+or not) never matches: alpha must be a literal.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import itertools
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from ..model import head as model_head
 from ..model.head import mup_logits
+
 if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import Match, PatternMatcherPass
 
@@ -64,45 +64,6 @@ def mup_logits_alpha(hidden, lm_head_weight, mup):
     return _scaled_linear(hidden, lm_head_weight, 1.0 / mup)
 
 
-# --- other spellings of the same scaled linear (not emitted by the model; matched because it is free) ----------
-
-
-def linear_of_scaled(hidden, lm_head_weight, scale):
-    # x * c before the GEMM (c = 1/mup folded by hand).
-    return F.linear(hidden * scale, lm_head_weight)
-
-
-def linear_of_scaled_alpha(hidden, lm_head_weight, scale):
-    return _scaled_linear(hidden, lm_head_weight, scale)
-
-
-def linear_then_divide(hidden, lm_head_weight, mup):
-    # (x @ W.T) / s: the division after the GEMM, over [.., V] instead of [.., H].
-    return F.linear(hidden, lm_head_weight) / mup
-
-
-def linear_then_divide_alpha(hidden, lm_head_weight, mup):
-    return _scaled_linear(hidden, lm_head_weight, 1.0 / mup)
-
-
-def linear_then_scale(hidden, lm_head_weight, scale):
-    # (x @ W.T) * c
-    return F.linear(hidden, lm_head_weight) * scale
-
-
-def linear_then_scale_alpha(hidden, lm_head_weight, scale):
-    return _scaled_linear(hidden, lm_head_weight, scale)
-
-
-# (search, replacement, name of the scale argument)
-_SPELLINGS = (
-    (mup_logits_full_vocab, mup_logits_alpha, "mup"),
-    (linear_of_scaled, linear_of_scaled_alpha, "scale"),
-    (linear_then_divide, linear_then_divide_alpha, "mup"),
-    (linear_then_scale, linear_then_scale_alpha, "scale"),
-)
-
-
 # --- predicate -------------------------------------------------------------------------------------------------
 
 
@@ -114,8 +75,8 @@ def _literal_scale_gemm(match: Match) -> bool:
     match ignored are checked here: the permute is the transpose, and the result has ``hidden``'s leading dims
     and the weight's rows (a reshape that keeps the last dim only merges or splits the leading dims).
     """
-    scale = match.kwargs.get("mup", match.kwargs.get("scale"))
-    if not is_python_scalar(scale) or scale == 0 or scale != scale or abs(scale) == float("inf"):
+    mup = match.kwargs.get("mup")
+    if not is_python_scalar(mup) or mup == 0 or mup != mup or abs(mup) == float("inf"):
         return False
     hidden, weight = tensor_meta(match, "hidden"), tensor_meta(match, "lm_head_weight")
     if hidden is None or weight is None or weight.dim() != 2 or hidden.dtype != weight.dtype:
@@ -137,14 +98,14 @@ def _literal_scale_gemm(match: Match) -> bool:
 
 
 def _register(patterns: PatternMatcherPass) -> None:
-    for (search, replace, scale_name), dtype, rank in itertools.product(_SPELLINGS, _DTYPES, (3, 2)):
+    for dtype, rank in itertools.product(_DTYPES, (3, 2)):
         # 3-D first: its pattern (with the reshapes) is the larger one on the same graph.
         lead = (2, 3) if rank == 3 else (3,)  # no size-1 dims: the tracer would drop no-op reshapes around them
         hidden = torch.empty(*lead, 8, dtype=dtype)
         weight = torch.empty(5, 8, dtype=dtype)
         # retrace=False: the reshapes around the mm carry symbolic sizes under dynamic shapes (see register())
-        register(search, replace, (hidden, weight), patterns, _literal_scale_gemm, {scale_name: _SCALE_PLACEHOLDER},
-                 retrace=False)
+        register(mup_logits_full_vocab, mup_logits_alpha, (hidden, weight), patterns, _literal_scale_gemm,
+                 {"mup": _SCALE_PLACEHOLDER}, retrace=False)
 
 
-FUSIONS = (Fusion("mup_head", _register, (__file__, model_head.__file__)),)
+FUSIONS = (Fusion("fold_mup_scale", _register, (__file__, model_head.__file__)),)

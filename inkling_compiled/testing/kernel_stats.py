@@ -108,9 +108,9 @@ def compile_fresh(fn, *args, passes: bool, **compile_kwargs) -> CompiledRun:
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
-    from . import manager
+    from ..passes import pass_manager
 
-    ours = manager()
+    ours = pass_manager()
     torch._dynamo.reset()
     before = ours.match_counts()
     try:

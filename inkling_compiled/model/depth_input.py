@@ -1,7 +1,8 @@
-"""The input side of an MTP depth: embedding lookup, the two embedding norms, the hidden norm, the concat (spec §4.2-4.4).
+"""The input side of an MTP depth: embedding lookup, the two embedding norms, the hidden norm, the concat
+(spec §4.2-4.4).
 
-Kept as plain functions so the Inductor draft-input pass (``inkling_compiled.passes.draft_input``) traces exactly
-these to build its patterns: what the pass matches is, by construction, what the model emits.
+Kept as plain functions so the Inductor pass ``inkling_compiled.passes.fuse_draft_input`` traces exactly these to
+build its patterns: what the pass matches is, by construction, what the model emits.
 """
 
 import torch
@@ -10,8 +11,8 @@ import torch.nn.functional as F
 from .norm import rms_norm
 
 
-def backbone_embedding(table: torch.Tensor, input_ids: torch.Tensor, pre_norm_weight: torch.Tensor | None,
-                       eps: float) -> torch.Tensor:
+def normed_embedding(table: torch.Tensor, input_ids: torch.Tensor, pre_norm_weight: torch.Tensor | None,
+                     eps: float) -> torch.Tensor:
     """``bf16(embed_norm(E[x]))``: the target's own normed token embedding (skipped norm when it has none).
 
     The result is in the table's dtype, i.e. rounded between the backbone norm and the depth's norm (spec §4.2).
@@ -22,8 +23,8 @@ def backbone_embedding(table: torch.Tensor, input_ids: torch.Tensor, pre_norm_we
     return rms_norm(embeds, pre_norm_weight, eps)
 
 
-def draft_input(hidden: torch.Tensor, embeds: torch.Tensor, hidden_norm_weight: torch.Tensor,
-                embed_norm_weight: torch.Tensor, eps: float, hidden_first: bool) -> torch.Tensor:
+def concat_normed(hidden: torch.Tensor, embeds: torch.Tensor, hidden_norm_weight: torch.Tensor,
+                  embed_norm_weight: torch.Tensor, eps: float, hidden_first: bool) -> torch.Tensor:
     """``[hidden_norm(g) | embed_norm(e)]`` (hidden first on Inkling; the other order behind the config flag)."""
     h = rms_norm(hidden, hidden_norm_weight, eps)
     e = rms_norm(embeds, embed_norm_weight, eps)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from inkling_compiled import synthetic as S
-from inkling_compiled.checkpoint import SHARED_RAW_KEYS
+import inkling_compiled.checkpoint as C
+from inkling_compiled.testing import synthetic as S
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +138,8 @@ def test_cached_checkpoint_reuses_dir_and_index_covers_shards(ckpt, tmp_path):
     files = sorted(p.name for p in ckpt.glob("*.safetensors"))
     assert "model.safetensors" not in files  # transformers would ignore the index
     shards = [f for f in files if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f)]
-    assert len(shards) >= 2 and set(files) == set(shards) | {S.MTP_FILE}
-    weight_map = json.loads((ckpt / S.INDEX_FILE).read_text())["weight_map"]
+    assert len(shards) >= 2 and set(files) == set(shards) | {C.MTP_FILE}
+    weight_map = json.loads((ckpt / C.INDEX_FILE).read_text())["weight_map"]
     seen = {}
     for f in files:
         with safe_open(str(ckpt / f), framework="pt") as h:
@@ -156,7 +156,7 @@ def test_unsharded_variant_and_reference_tensors(ckpt, raw, tmp_path):
     assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "mtp.safetensors"]
     for p in (path, ckpt):  # same seed -> same tensors whatever the file layout
         ref = S.mtp_reference_tensors(p)
-        assert set(ref) == {k for k in raw if k.startswith("model.mtp.")} | set(SHARED_RAW_KEYS)
+        assert set(ref) == {k for k in raw if k.startswith("model.mtp.")} | set(C.SHARED_RAW_KEYS)
         assert all(torch.equal(ref[k], raw[k]) for k in ref)
 
 
@@ -189,7 +189,8 @@ def test_preset_geometry_matches_spec():
     assert (full.vocab_size, full.unpadded_vocab_size, full.num_mtp_layers) == (201024, 200058, 8)
     assert full.mtp_local_layer_ids == [0, 2, 4, 5, 6, 7]
     small = InklingConfig.from_dict(S.small_config()).text_config
-    assert (small.hidden_size, small.intermediate_size, small.vocab_size, small.num_mtp_layers) == (1024, 2816, 32000, 1)
+    dims = (small.hidden_size, small.intermediate_size, small.vocab_size, small.num_mtp_layers)
+    assert dims == (1024, 2816, 32000, 1)
     tiny = InklingConfig.from_dict(S.tiny_config(num_mtp_layers=3, local_layer_ids=[0, 2], use_unpadded=False))
     assert tiny.text_config.num_hidden_layers >= 3 and tiny.text_config.unpadded_vocab_size is None
     assert tiny.text_config.mtp_layer_types == ["hybrid_sliding", "hybrid", "hybrid_sliding"]

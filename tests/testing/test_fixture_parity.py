@@ -1,4 +1,4 @@
-"""The bench's fixture checkpoint is one directory for both libraries: transformers (target + its ``MtpModel``) and
+"""The synthetic checkpoint is one directory for both libraries: transformers (target + its ``MtpModel``) and
 ``InklingMTP`` load it and compute the same depth outputs when fed the same raw embedding rows.
 
 transformers feeds the raw embedding (spec §8 item 2) and applies no sliding window on its MTP path (item 10), so
@@ -8,16 +8,12 @@ both sides get the raw rows through ``inputs_embeds`` and the sliding depth is c
 import pytest
 import torch
 
-from bench.models import load_checkpoint_models
-from inkling_compiled.synthetic import cached_checkpoint
+from tests.helpers import both_libraries
 
 
 @pytest.fixture(scope="module")
-def models():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_checkpoint_models(cached_checkpoint("tiny"), preset="tiny")
-    torch.set_num_threads(before)
+def models(one_thread, tiny_checkpoint):
+    return both_libraries(tiny_checkpoint)
 
 
 def raw_rows(models, batch, seq, seed=0):

@@ -13,9 +13,9 @@ predictable). The loss is the sum over depths of the mean cross-entropy of ``com
 The result is a new checkpoint directory that both transformers (target + ``MtpModel``) and ``InklingMTP`` load:
 ``config.json`` and the index are copied, the target shards are hard-linked (copied across file systems), and
 ``mtp.safetensors`` holds the trained depths in the stored dtype with the original raw keys. Directories are keyed
-by (source checkpoint, hyper-parameters, format) and reused, like ``synthetic.cached_checkpoint``.
+by (source checkpoint, hyper-parameters, format) and reused, like ``testing.synthetic.cached_checkpoint``.
 
-    python -m inkling_compiled.distill [--config tiny] [--steps 300] [--out DIR]
+    python -m inkling_compiled.training.distill [--config tiny] [--steps 300] [--out DIR]
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import CONFIG_FILE, INDEX_FILE, MTP_FILE, build_directory_atomically, read_header, stored_dtype
-from .config import logits_vocab_size
+from ..checkpoint import CONFIG_FILE, INDEX_FILE, MTP_FILE, build_directory_atomically, read_header, stored_dtype
+from ..config import logits_vocab_size
+from ..testing.synthetic import cached_checkpoint, default_cache_root, greedy_generation_config, load_hf_target
 
 FORMAT_VERSION = 1  # bump when the training recipe changes the written weights for the same arguments
 METRICS_FILE = "distill.json"
@@ -82,12 +83,7 @@ def greedy_data(target, *, num_sequences: int, seq_len: int, prompt_len: int, se
     vocab = logits_vocab_size(target.config)
     device = target.lm_head.weight.device
     prompts = torch.randint(3, vocab, (num_sequences, prompt_len), generator=gen).to(device)
-    config = target.generation_config.__class__.from_dict(target.generation_config.to_dict())
-    config.eos_token_id = None
-    config.pad_token_id = 0
-    config.do_sample = False
-    config.max_new_tokens = seq_len - prompt_len
-    config.min_new_tokens = None
+    config = greedy_generation_config(target, seq_len - prompt_len)
     tokens, hidden = [], []
     start = time.perf_counter()
     with torch.no_grad():
@@ -213,8 +209,6 @@ def _key(checkpoint_dir: Path, params: dict) -> str:
 
 def default_out_dir(checkpoint_dir, **params) -> Path:
     """Where :func:`distill` caches the result for these arguments (filled with :data:`DEFAULTS`)."""
-    from .synthetic import default_cache_root
-
     checkpoint_dir = Path(checkpoint_dir)
     full = {**DEFAULTS, **params}
     return default_cache_root() / "distilled" / f"{checkpoint_dir.name}-{_key(checkpoint_dir, full)}"
@@ -279,8 +273,7 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
     ``out_dir/distill.json`` (:func:`load_metrics`). ``soft``: cross-entropy against the target's full next-token
     distribution (default; learns faster, overfits less) instead of its greedy token (see :func:`mtp_loss`).
     """
-    from .model.mtp import InklingMTP
-    from .synthetic import load_hf_target
+    from ..model.mtp import InklingMTP
 
     checkpoint_dir = Path(checkpoint_dir)
     params = dict(steps=steps, seq_len=seq_len, batch=batch, seed=seed, lr=lr, prompt_len=prompt_len,
@@ -321,7 +314,8 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.distill", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.training.distill",
+                                     description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="raw-layout checkpoint directory to distil (default: the --config preset)")
     src.add_argument("--config", default="tiny", help="synthetic preset to generate and distil (default tiny)")
@@ -336,12 +330,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.checkpoint:
-        checkpoint = Path(args.checkpoint)
-    else:
-        from .synthetic import cached_checkpoint
-
-        checkpoint = cached_checkpoint(args.config)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else cached_checkpoint(args.config)
     params = {name: getattr(args, name) for name in DEFAULTS}
     out = distill(checkpoint, args.out, force=args.force, **params)
     metrics = load_metrics(out)

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 
-from inkling_compiled.passes.kernel_stats import compile_fresh
+from inkling_compiled.testing.kernel_stats import compile_fresh
 from tests.helpers import hidden_and_logits_step
 
-from .test_passes_draft_input import EPS, _depth_input, _inputs
-from .test_passes_mup_head import MUP, VOCAB, compute_logits, get_top_tokens
-from .test_passes_mup_head import _inputs as _head_inputs
+from .test_fold_mup_scale import MUP, VOCAB, compute_logits, get_top_tokens
+from .test_fold_mup_scale import _inputs as _head_inputs
+from .test_fuse_draft_input import EPS, _depth_input, _inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -30,39 +30,39 @@ def _cuda(*tensors):
 
 
 @pytest.mark.parametrize("hidden_first", [True, False])
-def test_draft_input_ids_path_one_triton_kernel(hidden_first):
+def test_fuse_draft_input_ids_path_one_triton_kernel(hidden_first):
     hidden, table, ids, w_pre, w_h, w_e, _ = _inputs(torch.bfloat16, (4, 7))
     args = _cuda(hidden, table, ids, w_pre, w_h, w_e)
     block = _depth_input(hidden_first)
     stock = compile_fresh(block, *args, passes=False)
     fused = compile_fresh(block, *args, passes=True)
-    assert fused.matches["draft_input_embed"] == 1
+    assert fused.matches["fuse_draft_input_embed"] == 1
     assert stock.stats.triton_kernels == 2 and fused.stats.triton_kernels == 1
     assert torch.equal(fused.output, stock.output)
 
 
-def test_draft_input_inputs_embeds_one_triton_kernel():
-    from inkling_compiled.model.draft_input import draft_input
+def test_fuse_draft_input_inputs_embeds_one_triton_kernel():
+    from inkling_compiled.model.depth_input import concat_normed
 
     hidden, _, _, _, w_h, w_e, embeds = _inputs(torch.bfloat16, (4, 7))
 
     def block(hidden, embeds, w_h, w_e):
-        return draft_input(hidden, embeds, w_h, w_e, EPS, True)
+        return concat_normed(hidden, embeds, w_h, w_e, EPS, True)
 
     args = _cuda(hidden, embeds, w_h, w_e)
     stock = compile_fresh(block, *args, passes=False)
     fused = compile_fresh(block, *args, passes=True)
-    assert fused.matches["draft_input"] == 1
+    assert fused.matches["fuse_draft_input"] == 1
     assert stock.stats.triton_kernels == 2 and fused.stats.triton_kernels == 1
     assert torch.equal(fused.output, stock.output)
 
 
 @pytest.mark.parametrize("lead", [(1, 1), (4, 7)])  # (1, 1): the decode step, M == 1
-def test_mup_head_leaves_no_pointwise_kernel(lead, ulps):
+def test_fold_mup_scale_leaves_no_pointwise_kernel(lead, ulps):
     hidden, weight = _cuda(*_head_inputs(torch.bfloat16, lead))
     stock = compile_fresh(compute_logits, hidden, weight, passes=False)
     fused = compile_fresh(compute_logits, hidden, weight, passes=True)
-    assert fused.matches["mup_head"] == 1
+    assert fused.matches["fold_mup_scale"] == 1
     assert stock.stats.extern_calls == ["mm"] and stock.stats.triton_kernels == 1
     assert fused.stats.extern_calls == ["addmm"] and fused.stats.triton_kernels == 0
     exact = (hidden.double() @ weight.double().T / MUP)[..., :VOCAB]
@@ -73,13 +73,13 @@ def test_mup_head_leaves_no_pointwise_kernel(lead, ulps):
 def test_top_tokens_keep_only_the_argmax_kernel():
     hidden, weight = _cuda(*_head_inputs(torch.bfloat16, (1, 1)))
     fused = compile_fresh(get_top_tokens, hidden, weight, passes=True)
-    assert fused.matches["mup_head"] == 1
+    assert fused.matches["fold_mup_scale"] == 1
     assert fused.stats.extern_calls == ["addmm"] and fused.stats.triton_kernels == 1
 
 
 def test_real_model_step_cuda_bf16():
     from inkling_compiled import InklingMTP
-    from inkling_compiled.synthetic import cached_checkpoint
+    from inkling_compiled.testing.synthetic import cached_checkpoint
 
     mtp = InklingMTP.from_pretrained(cached_checkpoint("tiny"), dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(0)
@@ -91,7 +91,7 @@ def test_real_model_step_cuda_bf16():
 
     stock = compile_fresh(step, ids, positions, previous, passes=False)
     fused = compile_fresh(step, ids, positions, previous, passes=True)
-    assert fused.matches == {"draft_input_embed": 1, "draft_input": 0, "mup_head": 1}
+    assert fused.matches == {"fuse_draft_input_embed": 1, "fuse_draft_input": 0, "fold_mup_scale": 1}
     assert fused.stats.triton_kernels <= stock.stats.triton_kernels - 1
     assert fused.stats.extern_calls.count("addmm") >= 1
     assert torch.equal(fused.output[0], stock.output[0])

@@ -1,5 +1,5 @@
-"""Self-distillation (``inkling_compiled.distill``): the spec's alignment, a loss that falls, an acceptance that
-rises, a result directory both libraries load, and the bench's end-to-end run on it."""
+"""Self-distillation (``inkling_compiled.training.distill``): the spec's alignment, a loss that falls, an acceptance
+that rises, a result directory both libraries load."""
 
 import os
 from types import SimpleNamespace
@@ -8,30 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.models import load_checkpoint_models
-from inkling_compiled import distill as D
-from inkling_compiled.synthetic import cached_checkpoint
+from inkling_compiled import InklingMTP
+from inkling_compiled.training import distill as D
+from tests.helpers import QUICK_DISTILL as QUICK
+from tests.helpers import both_libraries
 
-# Few steps and sequences: seconds on a 2-core CPU, still a clear effect.
-QUICK = dict(steps=60, seq_len=32, batch=16, lr=1e-2, prompt_len=8, num_sequences=64, eval_sequences=16, seed=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def source():
-    return cached_checkpoint("tiny")
-
-
-@pytest.fixture(scope="module")
-def distilled(source, tmp_path_factory):
-    return D.distill(source, tmp_path_factory.mktemp("distill") / "tiny-distilled", progress=False, **QUICK)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------ alignment
@@ -61,7 +43,7 @@ def test_depth_k_reads_token_t_plus_k_plus_1_and_predicts_t_plus_k_plus_2():
     stub = CountingStub(3, vocab)
     _, losses, accs = D.mtp_loss(stub, tokens, hidden, prompt_len=4)
     assert accs == [1.0, 1.0, 1.0]
-    for depth, ids, positions, previous in stub.calls:
+    for depth, ids, positions, _previous in stub.calls:
         n = D.depth_rows(seq, depth)
         assert torch.equal(ids, tokens[:, depth + 1:depth + 1 + n])
         assert torch.equal(positions[0], torch.arange(n))
@@ -81,8 +63,8 @@ def test_rows_with_labels_inside_the_random_prompt_are_ignored():
 
 # ------------------------------------------------------------------------------------------------ training
 
-def test_distillation_lowers_the_loss_and_raises_acceptance(distilled):
-    m = D.load_metrics(distilled)
+def test_distillation_lowers_the_loss_and_raises_acceptance(quick_distilled):
+    m = D.load_metrics(quick_distilled)
     history = m["loss_history"]
     assert len(history) == QUICK["steps"]
     assert sum(history[-5:]) / 5 < 0.7 * sum(history[:5]) / 5
@@ -91,16 +73,16 @@ def test_distillation_lowers_the_loss_and_raises_acceptance(distilled):
     assert after[0] > before[0] + 0.05, (before, after)
 
 
-def test_distilled_directory_loads_in_both_libraries(distilled, source):
-    ours_src = load_checkpoint_models(source, preset="tiny", peer=False).mtp
-    models = load_checkpoint_models(distilled, preset="tiny")
+def test_distilled_directory_loads_in_both_libraries(quick_distilled, tiny_checkpoint):
+    ours_src = InklingMTP.from_pretrained(tiny_checkpoint)
+    models = both_libraries(quick_distilled)
     # the MTP changed, the target's tensors did not (shards are links / copies of the source's)
     trained = dict(models.mtp.named_parameters())
     assert not torch.equal(trained["layers.0.input_proj.weight"], ours_src.layers[0].input_proj.weight)
     assert torch.equal(trained["lm_head_weight"], ours_src.lm_head_weight)
-    for name in os.listdir(source):
+    for name in os.listdir(tiny_checkpoint):
         if name.startswith("model-"):
-            assert (distilled / name).read_bytes() == (source / name).read_bytes()
+            assert (quick_distilled / name).read_bytes() == (tiny_checkpoint / name).read_bytes()
     # transformers reads the trained depths: same depth-0 output as ours on raw embedding rows (within the window)
     c = models.config
     seq = c.depths[0].window or 16
@@ -115,34 +97,14 @@ def test_distilled_directory_loads_in_both_libraries(distilled, source):
     assert (got - expected).abs().max().item() <= 1e-5
 
 
-def test_distill_reuses_a_finished_directory(distilled, source):
-    stamp = (distilled / D.METRICS_FILE).stat().st_mtime_ns
-    assert D.distill(source, distilled, progress=False, **QUICK) == distilled
-    assert (distilled / D.METRICS_FILE).stat().st_mtime_ns == stamp
+def test_distill_reuses_a_finished_directory(quick_distilled, tiny_checkpoint):
+    stamp = (quick_distilled / D.METRICS_FILE).stat().st_mtime_ns
+    assert D.distill(tiny_checkpoint, quick_distilled, progress=False, **QUICK) == quick_distilled
+    assert (quick_distilled / D.METRICS_FILE).stat().st_mtime_ns == stamp
 
 
-def test_default_out_dir_is_keyed_by_the_arguments(source):
-    a = D.default_out_dir(source, **QUICK)
-    assert a == D.default_out_dir(source, **QUICK)
-    assert a != D.default_out_dir(source, **{**QUICK, "steps": QUICK["steps"] + 1})
-    assert a != D.default_out_dir(source, **{**QUICK, "seed": 1})
-
-
-# ------------------------------------------------------------------------------------------------ end to end
-
-def test_e2e_section_on_the_distilled_target(distilled):
-    from bench.e2e import E2EConfig, run_e2e
-    from bench.schema import _Check, _e2e
-
-    result = run_e2e(distilled, cfg=E2EConfig(prompts=1, new_tokens=8, compiled=False))
-    methods = result["methods"]
-    assert set(methods) == {"target", "target_loop", "hf_mtp", "ours_eager"}
-    for name, m in methods.items():
-        assert m["new_tokens"] == 8 and m["tokens_per_s"] > 0
-        if name != "target":
-            assert m["outputs_match_target"] is True, name  # greedy speculative decoding is lossless
-    assert 0 <= methods["ours_eager"]["acceptance"] <= 1
-    assert methods["hf_mtp"]["drafted"] > 0  # transformers' rounds were counted
-    check = _Check()
-    _e2e(check, result, "$.e2e")
-    assert check.problems == []
+def test_default_out_dir_is_keyed_by_the_arguments(tiny_checkpoint):
+    a = D.default_out_dir(tiny_checkpoint, **QUICK)
+    assert a == D.default_out_dir(tiny_checkpoint, **QUICK)
+    assert a != D.default_out_dir(tiny_checkpoint, **{**QUICK, "steps": QUICK["steps"] + 1})
+    assert a != D.default_out_dir(tiny_checkpoint, **{**QUICK, "seed": 1})

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
-from inkling_compiled.passes.kernel_stats import compile_fresh
+from inkling_compiled.testing.kernel_stats import compile_fresh
+from inkling_compiled.testing.synthetic import cached_checkpoint
 from tests.helpers import hidden_and_logits_step
-from inkling_compiled.synthetic import cached_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_ids_step_and_top_tokens_fp32(checkpoint):
 
     stock = compile_fresh(step, ids, positions, previous, passes=False)
     fused = compile_fresh(step, ids, positions, previous, passes=True)
-    assert fused.matches == {"draft_input_embed": 1, "draft_input": 0, "mup_head": 1}
+    assert fused.matches == {"fuse_draft_input_embed": 1, "fuse_draft_input": 0, "fold_mup_scale": 1}
     assert fused.stats.loop_nests == stock.stats.loop_nests - 1  # the input block: 2 passes -> 1
     assert stock.stats.extern_calls.count("addmm") == 0 and fused.stats.extern_calls.count("addmm") == 1
     assert len(fused.stats.extern_calls) == len(stock.stats.extern_calls)  # mm -> addmm, nothing added
@@ -40,7 +40,7 @@ def test_ids_step_and_top_tokens_fp32(checkpoint):
     for got, want in zip(fused.output, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     top = compile_fresh(lambda h: mtp.get_top_tokens(h), eager[0], passes=True)
-    assert top.matches["mup_head"] == 1 and top.stats.extern_calls == ["addmm"]
+    assert top.matches["fold_mup_scale"] == 1 and top.stats.extern_calls == ["addmm"]
     assert torch.equal(top.output, eager[1].argmax(-1))
 
 
@@ -55,7 +55,7 @@ def test_inputs_embeds_step_bf16(checkpoint):
 
     stock = compile_fresh(step, embeds, positions, previous, passes=False)
     fused = compile_fresh(step, embeds, positions, previous, passes=True)
-    assert fused.matches == {"draft_input_embed": 0, "draft_input": 1, "mup_head": 1}
+    assert fused.matches == {"fuse_draft_input_embed": 0, "fuse_draft_input": 1, "fold_mup_scale": 1}
     assert fused.stats.loop_nests == stock.stats.loop_nests - 1
     assert torch.equal(fused.output[0], stock.output[0])
     exact = fused.output[0].double() @ mtp.lm_head_weight.double().T / mtp.config.mup

@@ -17,10 +17,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import inkling_compiled.passes as passes
 from inkling_compiled.model.head import mup_logits
-from inkling_compiled.passes import draft_input as pass_a
-from inkling_compiled.passes import mup_head as pass_b
-from inkling_compiled.passes.kernel_stats import compile_fresh
+from inkling_compiled.passes import fold_mup_scale, fuse_draft_input, manager
 from inkling_compiled.passes.manager import ChainedPass, Fusion, PassManager
+from inkling_compiled.testing.kernel_stats import compile_fresh
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +48,7 @@ def _head(hidden, weight):
 def test_install_is_idempotent_and_uninstall_empties_the_slot(empty_slot):
     assert not passes.installed()
     assert passes.install() and passes.install()
-    assert inductor_config.post_grad_custom_post_pass is passes.manager()  # the one object, not a list
+    assert inductor_config.post_grad_custom_post_pass is passes.pass_manager()  # the one object, not a list
     assert passes.installed()
     assert passes.uninstall()
     assert inductor_config.post_grad_custom_post_pass is None and not passes.installed()
@@ -72,11 +71,11 @@ def test_a_users_pass_is_chained_and_restored(empty_slot, theirs):
     inductor_config.post_grad_custom_post_pass = original
     assert passes.install() and passes.install()
     slot = inductor_config.post_grad_custom_post_pass
-    assert isinstance(slot, ChainedPass) and slot.theirs is original and slot.ours is passes.manager()
+    assert isinstance(slot, ChainedPass) and slot.theirs is original and slot.ours is passes.pass_manager()
     if theirs == "callable":
         assert slot.uuid() is None  # cannot name the user's pass: Inductor must bypass its cache, not guess
     else:
-        assert slot.uuid() == (user.uid, passes.manager().uuid())
+        assert slot.uuid() == (user.uid, passes.pass_manager().uuid())
     assert passes.uninstall()
     restored = inductor_config.post_grad_custom_post_pass
     assert restored == original if theirs == "list" else restored is original  # (the config may copy a list)
@@ -88,18 +87,18 @@ def test_chained_pass_runs_both(empty_slot):
     inductor_config.post_grad_custom_post_pass = user
     passes.install()
     torch._dynamo.reset()
-    before = passes.match_counts()["mup_head"]
+    before = passes.match_counts()["fold_mup_scale"]
     with inductor_config.patch(fx_graph_cache=False):
         out = torch.compile(_head)(hidden, weight)
     torch._dynamo.reset()
     assert user.calls == 1
-    assert passes.match_counts()["mup_head"] == before + 1
+    assert passes.match_counts()["fold_mup_scale"] == before + 1
     torch.testing.assert_close(out, _head(hidden, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_config_copies_share_the_manager():
     # Dynamo deep-copies the Inductor config on every compile (for its logs): the manager must not be copied.
-    ours = passes.manager()
+    ours = passes.pass_manager()
     assert copy.deepcopy(ours) is ours
     chain = ChainedPass(RecordingPass(), ours)
     assert copy.deepcopy(chain) is chain
@@ -111,13 +110,13 @@ def test_config_copies_share_the_manager():
 def test_patterns_are_traced_on_first_use_only():
     registered = []
     fusion = Fusion("probe", registered.append, [__file__])
-    manager = PassManager([fusion])
+    probe = PassManager([fusion])
     assert registered == [] and not fusion.registered  # building the manager traced nothing
     graph = torch.fx.symbolic_trace(lambda x: x + 1).graph
-    manager(graph)
-    manager(graph)
+    probe(graph)
+    probe(graph)
     assert registered == [fusion.patterns]
-    assert manager.match_counts() == {"probe": 0}
+    assert probe.match_counts() == {"probe": 0}
 
 
 def test_installing_imports_no_pattern_matcher():
@@ -134,17 +133,17 @@ def test_installing_imports_no_pattern_matcher():
 def test_counts_per_fusion_and_reset(empty_slot):
     hidden, weight = torch.randn(2, 3, 64), torch.randn(96, 64)
     run = compile_fresh(_head, hidden, weight, passes=True)
-    assert run.matches == {"draft_input_embed": 0, "draft_input": 0, "mup_head": 1}
+    assert run.matches == {"fuse_draft_input_embed": 0, "fuse_draft_input": 0, "fold_mup_scale": 1}
     passes.reset_match_counts()
-    assert passes.match_counts() == {name: 0 for name in passes.manager().names}
+    assert passes.match_counts() == {name: 0 for name in passes.pass_manager().names}
 
 
 def test_uuid_hashes_the_sources(tmp_path):
-    ours = passes.manager()
+    ours = passes.pass_manager()
     assert ours.uuid() == ours.uuid()
-    for module in (pass_a, pass_b, sys.modules["inkling_compiled.passes.manager"]):
+    for module in (fuse_draft_input, fold_mup_scale, manager):
         assert module.__file__ in ours.sources
-    for model_file in ("norm.py", "draft_input.py", "head.py"):  # patterns are traced from these
+    for model_file in ("norm.py", "depth_input.py", "head.py"):  # patterns are traced from these
         assert any(s.endswith(os.path.join("model", model_file)) for s in ours.sources)
 
     def manager_over_copy(folder, edit=None):
@@ -176,12 +175,12 @@ _CACHE_SCRIPT = textwrap.dedent("""
     hidden, weight = torch.randn(2, 3, 64), torch.randn(96, 64)
     out = torch.compile(lambda h, w: mup_logits(h, w, 24.0, 90))(hidden, weight)
     print(json.dumps({
-        "uuid": passes.manager().uuid(),
+        "uuid": passes.pass_manager().uuid(),
         "installed": passes.installed(),
         "hit": counters["inductor"]["fxgraph_cache_hit"],
         "miss": counters["inductor"]["fxgraph_cache_miss"],
         "bypass": counters["inductor"]["fxgraph_cache_bypass"],
-        "matches": passes.match_counts()["mup_head"],
+        "matches": passes.match_counts()["fold_mup_scale"],
         "checksum": out.double().sum().item(),
     }))
 """)
@@ -202,5 +201,5 @@ def test_second_process_hits_the_fx_graph_cache(tmp_path):
     assert first["installed"] and first["bypass"] == 0 and first["miss"] >= 1 and first["matches"] == 1
     assert second["hit"] >= 1 and second["miss"] == 0 and second["bypass"] == 0
     assert second["matches"] == 0  # served from the cache: the pass did not run again
-    assert second["uuid"] == first["uuid"] == passes.manager().uuid()  # stable across processes
+    assert second["uuid"] == first["uuid"] == passes.pass_manager().uuid()  # stable across processes
     assert second["checksum"] == first["checksum"]

@@ -24,7 +24,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint import CONFIG_FILE, INDEX_FILE, MTP_FILE, SHARED_FILE, SHARED_RAW_KEYS, build_directory_atomically
+from ..checkpoint import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    MTP_FILE,
+    MTP_PREFIX,
+    SHARED_FILE,
+    SHARED_RAW_KEYS,
+    build_directory_atomically,
+)
 
 FORMAT_VERSION = 1  # bump when the written bytes change for the same (config, seed, dtype)
 _MAX_SHARD_BYTES = 4 << 30
@@ -36,6 +44,9 @@ _VISION = {"patch_size": 2, "temporal_patch_size": 2, "num_channels": 3, "num_hi
            "num_attention_heads": 2}
 _AUDIO = {"n_mel_bins": 4, "mel_vocab_size": 8}
 _TOKENS = {"image_token_id": 4, "audio_token_id": 7, "image_bos_token_id": 5, "audio_bos_token_id": 6}
+# Text fields every preset shares (real Inkling values); each preset adds its dims.
+_TEXT_COMMON = {"d_rel": 16, "n_shared_experts": 1, "route_scale": 8.0, "sconv_kernel_size": 4, "hidden_act": "silu",
+                "logits_mup_width_multiplier": 24.0, "rms_norm_eps": 1e-6, "bos_token_id": 1}
 
 
 # --------------------------------------------------------------------------------------------------------- presets
@@ -74,12 +85,11 @@ def tiny_config(*, num_mtp_layers: int = 2, local_layer_ids=(0,), num_hidden_lay
                 moe: bool = True, use_unpadded: bool = True, **text_overrides) -> dict:
     """H 64, 2x32 heads, V 512 (500 unpadded), W 8, E 16; trunk = max(2, depths) layers, layer 0 dense, rest MoE."""
     text = {
-        "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
-        "swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_head_dim": 32, "d_rel": 16,
-        "dense_intermediate_size": 128, "intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "n_shared_experts": 1, "route_scale": 8.0, "vocab_size": 512, "sliding_window_size": 8, "rel_extent": 16,
-        "log_scaling_n_floor": None, "sconv_kernel_size": 4, "model_max_length": 4096, "hidden_act": "silu",
-        "logits_mup_width_multiplier": 24.0, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+        **_TEXT_COMMON, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
+        "swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_head_dim": 32, "dense_intermediate_size": 128,
+        "intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "vocab_size": 512,
+        "sliding_window_size": 8, "rel_extent": 16, "log_scaling_n_floor": None, "model_max_length": 4096,
+        "eos_token_id": 2,
     }
     return _config(text, num_mtp_layers=num_mtp_layers, local_layer_ids=local_layer_ids,
                    num_hidden_layers=num_hidden_layers, moe=moe, unpadded_vocab_size=500 if use_unpadded else None,
@@ -90,13 +100,11 @@ def small_config(*, num_mtp_layers: int = 1, local_layer_ids=(0,), num_hidden_la
                  moe: bool = False, use_unpadded: bool = False, **text_overrides) -> dict:
     """H 1024, 16x64 heads (kv 4 full / 8 swa), dense MLP 2816, V 32000, W 128, E 256; 2 dense trunk layers."""
     text = {
-        "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
-        "swa_num_attention_heads": 16, "swa_num_key_value_heads": 8, "swa_head_dim": 64, "d_rel": 16,
+        **_TEXT_COMMON, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+        "swa_num_attention_heads": 16, "swa_num_key_value_heads": 8, "swa_head_dim": 64,
         "dense_intermediate_size": 2816, "intermediate_size": 256, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "n_shared_experts": 1, "route_scale": 8.0, "vocab_size": 32000, "sliding_window_size": 128,
-        "rel_extent": 256, "log_scaling_n_floor": None, "sconv_kernel_size": 4, "model_max_length": 32768,
-        "hidden_act": "silu", "logits_mup_width_multiplier": 24.0, "rms_norm_eps": 1e-6, "bos_token_id": 1,
-        "eos_token_id": 2,
+        "vocab_size": 32000, "sliding_window_size": 128, "rel_extent": 256, "log_scaling_n_floor": None,
+        "model_max_length": 32768, "eos_token_id": 2,
     }
     return _config(text, num_mtp_layers=num_mtp_layers, local_layer_ids=local_layer_ids,
                    num_hidden_layers=num_hidden_layers, moe=moe,
@@ -111,13 +119,11 @@ def full_config(*, num_mtp_layers: int = 8, local_layer_ids=(0, 2, 4, 5, 6, 7), 
     renumbering), so pass ``num_hidden_layers=8`` when transformers must load the MTP too.
     """
     text = {
-        "hidden_size": 6144, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "swa_num_attention_heads": 64, "swa_num_key_value_heads": 16, "swa_head_dim": 128, "d_rel": 16,
+        **_TEXT_COMMON, "hidden_size": 6144, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "swa_num_attention_heads": 64, "swa_num_key_value_heads": 16, "swa_head_dim": 128,
         "dense_intermediate_size": 24576, "intermediate_size": 3072, "n_routed_experts": 2, "num_experts_per_tok": 1,
-        "n_shared_experts": 1, "route_scale": 8.0, "vocab_size": 201024, "sliding_window_size": 512,
-        "rel_extent": 1024, "log_scaling_n_floor": 128000, "log_scaling_alpha": 0.1, "sconv_kernel_size": 4,
-        "model_max_length": 1048576, "hidden_act": "silu", "logits_mup_width_multiplier": 24.0,
-        "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 200006,
+        "vocab_size": 201024, "sliding_window_size": 512, "rel_extent": 1024, "log_scaling_n_floor": 128000,
+        "log_scaling_alpha": 0.1, "model_max_length": 1048576, "eos_token_id": 200006,
     }
     return _config(text, num_mtp_layers=num_mtp_layers, local_layer_ids=local_layer_ids,
                    num_hidden_layers=num_hidden_layers, moe=moe,
@@ -211,7 +217,7 @@ def _raw_mtp_entry(name: str, shape) -> tuple[str, tuple[int, ...]] | None:
     if name.startswith(("embed_tokens.", "shared_head.")):  # shared with the target, not stored under model.mtp
         return None
     if name == "shared_post_norm.weight":
-        return "model.mtp.chain_norm.weight", tuple(shape)
+        return f"{MTP_PREFIX}chain_norm.weight", tuple(shape)
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if m is None:
         raise KeyError(f"no raw Inkling name known for MTP tensor {name!r}")
@@ -219,10 +225,10 @@ def _raw_mtp_entry(name: str, shape) -> tuple[str, tuple[int, ...]] | None:
     top = {"hnorm.weight": "hidden_norm.weight", "enorm.weight": "embed_norm.weight",
            "eh_proj.weight": "input_proj.weight"}
     if sub in top:
-        return f"model.mtp.layers.{k}.{top[sub]}", tuple(shape)
+        return f"{MTP_PREFIX}layers.{k}.{top[sub]}", tuple(shape)
     if sub.startswith("mtp_block."):
         raw, shape = _raw_layer_entry(sub[len("mtp_block."):], tuple(shape))
-        return f"model.mtp.layers.{k}.transformer_block.{raw}", shape
+        return f"{MTP_PREFIX}layers.{k}.transformer_block.{raw}", shape
     raise KeyError(f"no raw Inkling name known for MTP tensor {name!r}")
 
 
@@ -257,36 +263,58 @@ def raw_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[st
 
 # ----------------------------------------------------------------------------------------------------- values
 
-def _init_stats(name: str, shape: tuple[int, ...], text: dict) -> tuple[float, float]:
-    """(mean, std) of a raw tensor: unit-gain-ish norms and scalars, fan-in scaled matrices, a sharp LM head."""
+_EMBEDDINGS = ("model.llm.embed.weight", "model.audio.encoder.weight", "embed_weight", "embed_tokens.weight")
+_LM_HEADS = ("model.llm.unembed.weight", "lm_head_weight", "lm_head.weight")
+_GATE_BIASES = ("mlp.gate.bias", "e_score_correction_bias")
+_ROUTED_DOWN = ("experts.w2_weight", "shared_w2_weight", "experts.down_proj", "shared_experts.down_proj.weight")
+
+
+def init_stats(name: str, shape: tuple[int, ...], *, mup: float = 24.0,
+               route_scale: float = 1.0) -> tuple[float, float]:
+    """(mean, std) of a tensor named as on disk (raw), in ``InklingMTP`` or in transformers: unit-gain-ish norms and
+    scalars, fan-in scaled matrices, a sharp LM head. The one rule set for every random weight the tests and the
+    benchmark use."""
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
     if "norm" in leaf:  # every RMSNorm gain (q/k, layer, embed, hidden/embed MTP norms, tower norms)
         return 1.0, 0.1
     if name.endswith("global_scale"):
         return 1.0, 0.1
-    if name.endswith("mlp.gate.bias"):
+    if name.endswith(_GATE_BIASES):
         return 0.0, 0.02
     if name.endswith("rel_logits_proj.proj"):
         return 0.0, 1.0 / math.sqrt(shape[0])
     if "sconv" in name:
         return 0.0, 0.2
-    if name in ("model.llm.embed.weight", "model.audio.encoder.weight"):
+    if name.endswith(_EMBEDDINGS):
         return 0.0, 1.0
-    if name == "model.llm.unembed.weight":
+    if name.endswith(_LM_HEADS):
         # logits = unembed @ (normed hidden / mup): std ~2.5 so greedy choices are not near-ties
-        return 0.0, 2.5 * float(text.get("logits_mup_width_multiplier", 24.0)) / math.sqrt(shape[-1])
+        return 0.0, 2.5 * mup / math.sqrt(shape[-1])
     if len(shape) in (2, 3):
         std = 1.0 / math.sqrt(shape[-1])
-        if name.endswith(("experts.w2_weight", "shared_w2_weight")):
-            std /= float(text.get("route_scale", 1.0))  # routed weights are multiplied by route_scale
+        if name.endswith(_ROUTED_DOWN):
+            std /= route_scale  # routed weights are multiplied by route_scale
         return 0.0, std
     raise KeyError(f"no init rule for {name} {shape}")
+
+
+def randomize_(module: torch.nn.Module, seed: int = 0, *, mup: float = 24.0, route_scale: float = 1.0):
+    """Seeded random weights for every parameter of ``module`` at :func:`init_stats`' scales, in place, drawn on the
+    module's device (no host copy: the ``full`` preset's tables alone are gigabytes). Returns ``module``."""
+    params = list(module.named_parameters())
+    gen = torch.Generator(device=params[0][1].device if params else "cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in params:
+            mean, std = init_stats(name, tuple(p.shape), mup=mup, route_scale=route_scale)
+            p.normal_(mean, std, generator=gen)
+    return module
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], seed: int, text: dict, dtype: torch.dtype) -> torch.Tensor:
     """Seeded per name, so values do not depend on shard layout or generation order."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    mean, std = _init_stats(name, shape, text)
+    mean, std = init_stats(name, shape, mup=float(text.get("logits_mup_width_multiplier", 24.0)),
+                           route_scale=float(text.get("route_scale", 1.0)))
     t = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std).add_(mean)
     store = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
     return t.to(store).contiguous()
@@ -390,6 +418,18 @@ def load_hf_target(path, dtype: torch.dtype = torch.float32):
     return InklingForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
 
 
+def greedy_generation_config(target, max_new_tokens: int, *, eos_token_id=None):
+    """A copy of ``target``'s generation config for greedy ``generate()`` of exactly ``max_new_tokens`` tokens, or
+    fewer when ``eos_token_id`` is given and met: the reference that speculative generation is compared with."""
+    config = copy.deepcopy(target.generation_config)
+    config.do_sample = False
+    config.max_new_tokens, config.max_length, config.min_new_tokens = max_new_tokens, None, None
+    config.eos_token_id = eos_token_id
+    if config.pad_token_id is None:  # finished rows are padded: with the EOS id when there is one
+        config.pad_token_id = eos_token_id[0] if isinstance(eos_token_id, list) else (eos_token_id or 0)
+    return config
+
+
 def load_hf_mtp(target):
     """transformers' own MTP (``MtpModel``) for ``target``, read from the directory the target came from."""
     from transformers.modeling_layers import MtpModel
@@ -440,7 +480,7 @@ def mtp_reference_tensors(path) -> dict[str, torch.Tensor]:
     weight_map = _index_or_files(path)
     wanted: dict[str, list[str]] = {}
     for key, file in weight_map.items():
-        if key.startswith("model.mtp.") or key in SHARED_RAW_KEYS:
+        if key.startswith(MTP_PREFIX) or key in SHARED_RAW_KEYS:
             wanted.setdefault(file, []).append(key)
     out = {}
     for file, keys in wanted.items():
@@ -454,7 +494,7 @@ def mtp_reference_tensors(path) -> dict[str, torch.Tensor]:
 
 
 __all__ = [
-    "FORMAT_VERSION", "PRESETS", "cached_checkpoint", "default_cache_root", "full_config",
-    "hf_causal_lm_from", "load_hf_mtp", "load_hf_target", "mtp_reference_tensors", "preset_config",
-    "raw_tensor_shapes", "small_config", "tiny_config", "write_checkpoint",
+    "FORMAT_VERSION", "PRESETS", "cached_checkpoint", "default_cache_root", "full_config", "greedy_generation_config",
+    "hf_causal_lm_from", "init_stats", "load_hf_mtp", "load_hf_target", "mtp_reference_tensors", "preset_config",
+    "randomize_", "raw_tensor_shapes", "small_config", "tiny_config", "write_checkpoint",
 ]

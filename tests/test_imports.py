@@ -1,0 +1,92 @@
+"""How the package's modules depend on each other: no import cycles (read statically from every module's imports,
+function-level ones included), and ``import inkling_compiled`` loads no training, testing or benchmark code."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "inkling_compiled"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imported(module: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``module`` imports anywhere in its body (relative imports resolved). ``from X
+    import a`` names the module ``X.a`` when that is a module, else ``X`` (where ``a`` is defined)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            for alias in node.names:
+                found.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source)
+    return {name for name in found if name in known and name != module}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as [a, b, ..., a], or None (depth-first search, three colours)."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_import_graph_is_read_correctly():
+    modules = _modules()
+    graph = {m: _imported(m, p, set(modules)) for m, p in modules.items()}
+    assert "inkling_compiled.model.mtp" in graph["inkling_compiled.runtime.drafter"]  # `from ..model.mtp import`
+    assert "inkling_compiled.passes" in graph["inkling_compiled"]  # `from . import passes`
+    assert "inkling_compiled.training.distill" in graph["inkling_compiled.generate"]  # a function-level import
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_package_has_no_import_cycles():
+    modules = _modules()
+    graph = {m: _imported(m, p, set(modules)) for m, p in modules.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_importing_the_package_loads_no_training_testing_or_benchmark_code():
+    code = "import json, sys, inkling_compiled; print(json.dumps(sorted(sys.modules)))"
+    env = {k: v for k, v in os.environ.items() if k != "INKLING_COMPILED_PASSES"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "inkling_compiled.passes" in loaded  # (what the package does import: its passes, installed)
+    tooling = [m for m in loaded if m.startswith(("inkling_compiled.training", "inkling_compiled.testing", "bench.",
+                                                  "tests.")) or m in ("inkling_compiled.generate", "bench", "tests")]
+    assert tooling == []
