@@ -101,7 +101,8 @@ def probe(args: dict) -> dict:
 
     return {"first_call_s": first, "import_s": t_import, "load_s": t_load, **split, "graphs": graphs_first,
             "recompiles": recompiles, "recompile_steps": steps, "cache_counters": cache,
-            "fxgraph_cache_hit": cache.get("fxgraph_cache_hit", 0), "fxgraph_cache_miss": cache.get("fxgraph_cache_miss", 0),
+            "fxgraph_cache_hit": cache.get("fxgraph_cache_hit", 0),
+            "fxgraph_cache_miss": cache.get("fxgraph_cache_miss", 0),
             "matches": ic_passes.match_counts(), "cuda_graph": capture,
             "probe_s": time.perf_counter() - t_start}
 

@@ -63,6 +63,17 @@ def count_hf_matches():
         MTPCandidateGenerator.update_candidate_strategy = update
 
 
+def distilled_checkpoint(steps: int | None = None, progress=print):
+    """The tiny target's checkpoint with its MTP self-distilled (both cached after the first run, under
+    ``INKLING_COMPILED_CACHE``): ``python -c "from bench.e2e import distilled_checkpoint; distilled_checkpoint()"``
+    builds it ahead of a run on another machine."""
+    from inkling_compiled.distill import distill
+    from inkling_compiled.synthetic import cached_checkpoint
+
+    progress("e2e: tiny target checkpoint + self-distilled MTP (cached after the first run)")
+    return distill(cached_checkpoint("tiny"), progress=True, **({"steps": steps} if steps else {}))
+
+
 def _generation_config(target, new_tokens: int):
     config = target.generation_config.__class__.from_dict(target.generation_config.to_dict())
     config.eos_token_id = None

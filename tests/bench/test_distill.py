@@ -132,7 +132,7 @@ def test_default_out_dir_is_keyed_by_the_arguments(source):
 
 def test_e2e_section_on_the_distilled_target(distilled):
     from bench.e2e import E2EConfig, run_e2e
-    from bench.schema import _Check, _e2e
+    from bench.records import E2E, problems
 
     result = run_e2e(distilled, cfg=E2EConfig(prompts=1, new_tokens=8, compiled=False))
     methods = result["methods"]
@@ -143,6 +143,4 @@ def test_e2e_section_on_the_distilled_target(distilled):
             assert m["outputs_match_target"] is True, name  # greedy speculative decoding is lossless
     assert 0 <= methods["ours_eager"]["acceptance"] <= 1
     assert methods["hf_mtp"]["drafted"] > 0  # transformers' rounds were counted
-    check = _Check()
-    _e2e(check, result, "$.e2e")
-    assert check.problems == []
+    assert problems(result, E2E) == []
