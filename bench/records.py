@@ -222,7 +222,7 @@ class Result(TypedDict):
     date: str
     wall_s: float
     partial: bool
-    completed: list[str]  # "tiny/compile", "tiny/latency/1", "e2e", ... in the order they finished
+    completed: list[str]  # "tiny/models", "tiny/compile", "tiny/latency/1", "tiny", "e2e", ... as they finish
     machine: Machine
     settings: Settings
     configs: dict[str, Config]

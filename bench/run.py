@@ -89,6 +89,7 @@ class Settings:
     e2e_prompts: int
     e2e_tokens: int
     distill_steps: int | None
+    e2e_checkpoint: Path | None
     json_path: Path
     record: Path | None
 
@@ -276,6 +277,7 @@ def config_section(preset: str, s: Settings, copy_bw: float | None, out: dict, s
     models = load_models(preset, device=s.device, dtype=parse_dtype(s.dtype), weights=s.weights,
                          peer=s.runs("peer"), progress=progress)
     out["model"] = models.describe()
+    save(f"{preset}/models")
     if s.runs("compile"):
         out["compile"] = compile_section(preset, models.checkpoint, s)
         save(f"{preset}/compile")
@@ -303,10 +305,13 @@ def e2e_section(s: Settings) -> dict:
 
     from .e2e import E2EConfig, distilled_checkpoint, run_e2e
 
-    distilled = distilled_checkpoint(s.distill_steps, progress)
+    distilled = s.e2e_checkpoint or distilled_checkpoint(s.distill_steps, progress)
     cfg = E2EConfig(prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, compiled=s.runs("compiled"),
                     hf_mtp=s.runs("peer"))
-    metrics = {k: v for k, v in load_metrics(distilled).items() if k != "loss_history"}
+    try:
+        metrics = {k: v for k, v in load_metrics(distilled).items() if k != "loss_history"}
+    except FileNotFoundError:  # a checkpoint that was not distilled here
+        metrics = None
     return run_e2e(distilled, device=s.device, cfg=cfg, progress=progress, distill_metrics=metrics)
 
 
@@ -339,6 +344,9 @@ def parse_args(argv=None) -> Settings:
     p.add_argument("--e2e-prompts", type=int, default=None)
     p.add_argument("--e2e-tokens", type=int, default=None)
     p.add_argument("--distill-steps", type=int, default=None, help="self-distillation Adam steps (default: distill's)")
+    p.add_argument("--e2e-checkpoint", default=None, metavar="DIR",
+                   help="run e2e on this raw-layout checkpoint (e.g. a distilled one carried to another machine) "
+                        "instead of distilling the tiny target here")
     p.add_argument("--json", dest="json_path", default=None,
                    help="where the JSON goes (default: a new file under bench/out/, which git ignores)")
     p.add_argument("--record", nargs="?", const=str(RESULTS_MD), default=None, metavar="FILE",
@@ -370,6 +378,7 @@ def parse_args(argv=None) -> Settings:
         context=a.context, max_length=max_length, weights=a.weights,
         threads=a.threads or (1 if a.device == "cpu" else torch.get_num_threads()), skip=skip, quick=a.quick,
         probe_timeout=a.probe_timeout, distill_steps=a.distill_steps,
+        e2e_checkpoint=Path(a.e2e_checkpoint) if a.e2e_checkpoint else None,
         json_path=Path(a.json_path) if a.json_path else OUT_DIR / f"bench-{stamp}.json",
         record=Path(a.record) if a.record else None, **counts)
 
