@@ -65,6 +65,17 @@ def count_hf_matches():
         MTPCandidateGenerator.update_candidate_strategy = update
 
 
+def distilled_checkpoint(steps: int | None = None, progress=print):
+    """The tiny target's checkpoint with its MTP self-distilled (both cached after the first run, under
+    ``INKLING_COMPILED_CACHE``): ``python -c "from bench.e2e import distilled_checkpoint; distilled_checkpoint()"``
+    builds it ahead of a run on another machine."""
+    from inkling_compiled.testing.synthetic import cached_checkpoint
+    from inkling_compiled.training.distill import distill
+
+    progress("e2e: tiny target checkpoint + self-distilled MTP (cached after the first run)")
+    return distill(cached_checkpoint("tiny"), progress=True, **({"steps": steps} if steps else {}))
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

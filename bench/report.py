@@ -126,6 +126,8 @@ def _rows(rows: list[list[str]], indent: str = "  ") -> list[str]:
 
 def _config_header(name: str, cfg: dict, settings: dict) -> str:
     m = cfg["model"]
+    if m is None:
+        return f"== {name}: models not built =="
     d = m["depth0"]
     kind = f"sliding W {d['window']}" if d["sliding"] else "full attention"
     return (f"== {name}: H {m['hidden_size']}, V {m['vocab_size']}, MLP {m['intermediate_size']}, depth 0 "
@@ -147,9 +149,8 @@ def _compile_lines(comp: dict) -> list[str]:
             ["  Dynamo tracing (s)", g(cold, "dynamo_s"), g(warm, "dynamo_s")],
             ["  AOT + Inductor backend (s)", g(cold, "backend_s"), g(warm, "backend_s")],
             ["  of which Inductor compile_fx (s)", g(cold, "inductor_s"), g(warm, "inductor_s")],
-            ["FX graph cache hit / miss",
-             f"{cold.get('fxgraph_cache_hit', '-')} / {cold.get('fxgraph_cache_miss', '-')}",
-             f"{warm.get('fxgraph_cache_hit', '-')} / {warm.get('fxgraph_cache_miss', '-')}"],
+            ["FX graph cache hit / miss", *(f"{d.get('fxgraph_cache_hit', '-')} / {d.get('fxgraph_cache_miss', '-')}"
+                                            for d in (cold, warm))],
             [f"recompiles over {cold.get('recompile_steps', '-')} steps (moving positions)",
              str(cold.get("recompiles", "-")), str(warm.get("recompiles", "-"))],
             ["process wall incl. import + load (s)", g(cold, "process_s"), g(warm, "process_s")]]
@@ -176,6 +177,7 @@ def _kernel_lines(k: dict) -> list[str]:
             ["CPU loop nests (passes over memory)", str(stock.get("loop_nests", "-")),
              str(ours.get("loop_nests", "-"))],
             ["extern calls", ext(stock), ext(ours)],
+            ["kernel launches", str(stock.get("kernel_launches", "-")), str(ours.get("kernel_launches", "-"))],
             ["launches (kernels + extern)", str(stock.get("launches", "-")), str(ours.get("launches", "-"))],
             ["pass matches", matches(k.get("matches_no_passes") or {}) if stock else "-",
              matches(k.get("matches_passes") or {}) if ours else "-"]]
@@ -278,6 +280,6 @@ def append_results(path: Path, result: dict, table: str) -> None:
     new = not path.exists()
     with open(path, "a") as f:
         if new:
-            f.write("# Benchmark results\n\nAppended by `python -m bench.run` (one entry per run; JSON via "
-                    "`--json`).\n\n")
+            f.write("# Benchmark results\n\nAppended by `python -m bench.run --record` (one entry per run; the JSON "
+                    "of every run goes under bench/out/ or to `--json`).\n\n")
         f.write("\n".join(entry) + "\n")

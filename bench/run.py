@@ -6,15 +6,20 @@ batch 1, context 64):
 * compile: cold (fresh Inductor cache dir) and warm (same dir again) compile of the one-token draft step, each in
   its own subprocess, with the Dynamo / backend split, the FX graph cache counters, recompiles over N steps and, on
   CUDA, the CUDA-graph capture time;
-* generated code: kernels, loop nests, extern calls and our passes' match counts, stock Inductor vs with passes;
 * latency of the one-token draft step after an eager prefill of ``--context`` rows: our eager model, compiled
-  without / with our passes, with CUDA graphs (CUDA), transformers' eager ``MtpModel`` step on the same weights, and
-  the step's GEMMs alone (the floor); on CUDA also the bytes the step must read against measured copy bandwidth;
+  without / with our passes, with CUDA graphs (CUDA; built and timed last, so a capture failure loses nothing
+  else), transformers' eager ``MtpModel`` step on the same weights, and the step's GEMMs alone (the floor); on CUDA
+  also the bytes the step must read against measured copy bandwidth;
+* kernels: the generated code of those in-process compiles, stock Inductor vs with passes (definitions, launches,
+  loop nests, extern calls, our passes' match counts);
 * end to end on a self-distilled tiny target: tokens/s and acceptance of our speculative generation vs the target
   alone vs transformers' ``generate(use_mtp=True)``.
 
-It prints a table (progress on stderr), writes ``--json``, and appends an entry to ``bench/RESULTS.md``. Goals are
-printed with the measured value and met / not met; they are targets, not asserts (the exit code is 0 either way).
+It prints a table (progress on stderr) and writes the JSON (``bench.records.Result``) to ``--json``, by default a
+new file under the git-ignored ``bench/out/``, after every section (``partial: true`` until the end), so a run cut
+short keeps what it measured. ``--record`` appends an entry to ``bench/RESULTS.md`` (or the file it names). Goals
+are printed with the measured value and met / not met; they are targets, not asserts (the exit code is 0 either
+way).
 """
 
 from __future__ import annotations
@@ -30,23 +35,72 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import report
-from .schema import SCHEMA_ID
+from .records import SCHEMA_ID
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
-SECTIONS = ("compile", "kernels", "stock", "compiled", "peer", "floor", "e2e")
+OUT_DIR = BENCH_DIR / "out"  # git-ignored
+SECTIONS = {
+    "compile": "cold / warm compile in subprocesses",
+    "latency": "the timed step variants (and with them the kernels)",
+    "kernels": "generated-code counts of the in-process compiles",
+    "stock": "the compiled variant without our passes",
+    "compiled": "every compiled variant",
+    "cudagraph": "the CUDA-graph variant (CUDA only)",
+    "peer": "transformers' MtpModel (step and e2e)",
+    "floor": "the GEMM-only floor",
+    "e2e": "end-to-end speculative generation",
+}
 
 _T0 = time.perf_counter()
 
 
 def progress(msg: str) -> None:
     print(f"[bench {time.perf_counter() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a run does, resolved once from the command line (defaults filled in, values checked)."""
+
+    configs: tuple[str, ...]
+    device: str
+    dtype: str
+    batch_sizes: tuple[int, ...]
+    context: int
+    max_length: int
+    weights: str | None
+    threads: int
+    skip: frozenset[str]
+    quick: bool
+    warmup: int
+    rounds: int
+    per_round: int
+    time_budget: float
+    recompile_steps: int
+    probe_timeout: float
+    e2e_prompts: int
+    e2e_tokens: int
+    distill_steps: int | None
+    e2e_checkpoint: Path | None
+    json_path: Path
+    record: Path | None
+
+    def runs(self, section: str) -> bool:
+        return section not in self.skip
+
+    def summary(self) -> dict:
+        """``records.Settings``"""
+        return {"configs": list(self.configs), "device": self.device, "dtype": self.dtype,
+                "batch_sizes": list(self.batch_sizes), "context": self.context, "max_length": self.max_length,
+                "threads": self.threads, "quick": self.quick, "skip": sorted(self.skip)}
 
 
 # ------------------------------------------------------------------------------------------------------ machine
@@ -101,34 +155,43 @@ def run_compile_probe(probe_args: dict, cache_dir: str, timeout: float) -> dict:
     return result
 
 
-def compile_section(preset: str, checkpoint, args, device: str) -> dict:
-    probe_args = {"preset": preset, "checkpoint": str(checkpoint) if checkpoint else None, "weights": args.weights,
-                  "device": device, "dtype": args.dtype, "batch": min(args.batch_sizes), "context": args.context,
-                  "max_length": args.max_length, "threads": args.threads, "steps": args.recompile_steps,
-                  "passes": True}
+def compile_section(preset: str, checkpoint, s: Settings) -> dict:
+    """``records.Compile``"""
+    batch = min(s.batch_sizes)
+    probe_args = {"preset": preset, "checkpoint": str(checkpoint) if checkpoint else None, "weights": s.weights,
+                  "device": s.device, "dtype": s.dtype, "batch": batch, "context": s.context,
+                  "max_length": s.max_length, "threads": s.threads, "steps": s.recompile_steps, "passes": True}
+    out = {"batch": batch, "cold": None, "warm": None, "warm_cache_hit": None, "error": None}
     cache_dir = tempfile.mkdtemp(prefix="inkling-bench-inductor-")
     try:
         progress(f"{preset}: cold compile in a subprocess (fresh TORCHINDUCTOR_CACHE_DIR {cache_dir})")
-        cold = run_compile_probe(probe_args, cache_dir, args.probe_timeout)
-        progress(f"{preset}: cold first call {cold['first_call_s']:.1f} s; warm compile (same cache dir)")
-        warm = run_compile_probe(probe_args, cache_dir, args.probe_timeout)
-        progress(f"{preset}: warm first call {warm['first_call_s']:.1f} s "
-                 f"(fxgraph_cache_hit {warm['fxgraph_cache_hit']})")
+        out["cold"] = run_compile_probe(probe_args, cache_dir, s.probe_timeout)
+        progress(f"{preset}: cold first call {out['cold']['first_call_s']:.1f} s; warm compile (same cache dir)")
+        out["warm"] = run_compile_probe(probe_args, cache_dir, s.probe_timeout)
+        out["warm_cache_hit"] = out["warm"]["fxgraph_cache_hit"] >= 1
+        progress(f"{preset}: warm first call {out['warm']['first_call_s']:.1f} s "
+                 f"(fxgraph_cache_hit {out['warm']['fxgraph_cache_hit']})")
+    except Exception as e:  # noqa: BLE001 - report and go on with the other sections
+        progress(f"{preset}: compile section failed: {e}")
+        out["error"] = str(e)[:2000]
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    return {"cold": cold, "warm": warm, "warm_cache_hit": warm.get("fxgraph_cache_hit", 0) >= 1,
-            "batch": probe_args["batch"]}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------ latency
 
-def latency_section(models, batch: int, args, kernels: dict | None) -> dict:
+def latency_section(models, batch: int, s: Settings, copy_bw: float | None, kernels: dict | None,
+                    publish) -> dict:
+    """``records.Latency`` for one batch size. The variants without CUDA graphs are timed first and ``publish``ed;
+    the CUDA-graph variant is built last and, when it builds, every variant is timed again together with it (the
+    budget split between the two timings), so the figures of one entry always come from one interleaved run."""
     from . import step as S
-    from .timing import Variant, measure
+    from .timing import Variant
 
     dev = models.device
-    inputs = S.make_inputs(models, batch, args.context)
-    eager = S.make_drafter(models, batch, args.max_length, compile=False)
+    inputs = S.make_inputs(models, batch, s.context)
+    eager = S.make_drafter(models, batch, s.max_length, compile=False)
     S.prefill(models, eager, inputs)
     variants = {"eager": S.step_fn(eager, inputs)}
     first_call, errors = {}, {}
@@ -142,116 +205,119 @@ def latency_section(models, batch: int, args, kernels: dict | None) -> dict:
             errors[name] = f"{type(e).__name__}: {e}"[:1000]
             return None
 
-    if "compiled" not in args.skip:
-        plan = [("compiled", True, False)]
-        if "stock" not in args.skip:
-            plan.insert(0, ("compiled_nopasses", False, False))
-        if dev.type == "cuda":
-            plan.append(("cudagraph", True, True))
-        for name, passes, graphs in plan:
-            progress(f"{models.preset} b{batch}: compiling {name} (in process, FX graph cache off so passes run)")
-            cv = attempt(name, lambda passes=passes, graphs=graphs: S.build_compiled(
-                models, inputs, args.max_length, passes=passes, cuda_graphs=graphs))
-            if cv is None:
-                continue
+    def build(name, passes, cuda_graphs):
+        progress(f"{models.preset} b{batch}: compiling {name} (in process, FX graph cache off so passes run)")
+        cv = attempt(name, lambda: S.build_compiled(models, inputs, s.max_length, passes=passes,
+                                                    cuda_graphs=cuda_graphs))
+        if cv is not None:
             variants[name] = S.step_fn(cv.drafter, inputs)
             first_call[name] = cv.first_call_s
-            if name == "compiled" and dev.type == "cpu":
-                raw = S.graph_call_fn(cv.drafter, inputs)
-                if raw is not None:
-                    variants["compiled_call"] = raw
-            if kernels is not None and not graphs:
+            if kernels is not None and not cuda_graphs:
                 side = "passes" if passes else "no_passes"
-                kernels[side] = cv.kernels
-                kernels[f"matches_{side}"] = cv.matches
-    if models.hf_mtp is not None and "peer" not in args.skip:
+                kernels[side], kernels[f"matches_{side}"] = cv.kernels, cv.matches
+        return cv
+
+    if s.runs("compiled"):
+        if s.runs("stock"):
+            build("compiled_nopasses", False, False)
+        cv = build("compiled", True, False)
+        if cv is not None and dev.type == "cpu":
+            variants["compiled_call"] = cv.drafter.static_step(*inputs.positions.shape)
+    if models.hf_mtp is not None and s.runs("peer"):
         hf = attempt("hf_eager", lambda: S.HFStep(models, inputs))
         if hf is not None:
             variants["hf_eager"] = Variant(hf, hf.rollback)
     gemms = None
-    if "floor" not in args.skip:
+    if s.runs("floor"):
         built = attempt("gemm_floor", lambda: S.gemm_floor(models, eager, inputs))
         if built is not None:
             variants["gemm_floor"], gemms = built
+    graphs_next = dev.type == "cuda" and s.runs("compiled") and s.runs("cudagraph")
+    budget = s.time_budget / 2 if graphs_next else s.time_budget
+    entry = _timed(models, batch, s, variants, budget, copy_bw)
+    entry.update(gemms=gemms, gemm_calls=sum(g["count"] for g in gemms) if gemms else None,
+                 first_call_s=first_call, errors=errors)
+    if graphs_next:
+        publish(entry)
+        if build("cudagraph", True, True) is not None:
+            entry.update(_timed(models, batch, s, variants, budget, copy_bw))
+    return entry
+
+
+def _timed(models, batch: int, s: Settings, variants: dict, budget: float, copy_bw: float | None) -> dict:
+    """Time ``variants`` together; their stats and the ratios between them."""
+    from . import step as S
+    from .timing import measure
+
     progress(f"{models.preset} b{batch}: timing {', '.join(variants)}")
-    stats = measure(variants, device=dev, warmup=args.warmup, rounds=args.rounds, per_round=args.per_round,
-                    budget_s=args.time_budget)
-    med = {k: s.median_ms for k, s in stats.items()}
-    ratios = {"speedup_vs_peer": {}, "speedup_vs_eager": {}, "x_floor": {}}
-    for name, m in med.items():
-        if "hf_eager" in med and name != "gemm_floor":
-            ratios["speedup_vs_peer"][name] = med["hf_eager"] / m
-        if name != "gemm_floor":
-            ratios["speedup_vs_eager"][name] = med["eager"] / m
-        if "gemm_floor" in med and name != "gemm_floor":
-            ratios["x_floor"][name] = m / med["gemm_floor"]
-    sbytes = S.step_bytes(models, batch, args.context)
+    stats = measure(variants, device=models.device, warmup=s.warmup, rounds=s.rounds, per_round=s.per_round,
+                    budget_s=budget)
+    med = {k: st.median_ms for k, st in stats.items()}
+    ours = [k for k in med if k != "gemm_floor"]
+    ratios = {"speedup_vs_peer": {k: med["hf_eager"] / med[k] for k in ours if "hf_eager" in med},
+              "speedup_vs_eager": {k: med["eager"] / med[k] for k in ours},
+              "x_floor": {k: med[k] / med["gemm_floor"] for k in ours if "gemm_floor" in med}}
+    sbytes = S.step_bytes(models, batch, s.context)
     bandwidth = None
-    if dev.type == "cuda":
-        bw = args._copy_bw or S.copy_bandwidth(dev)
-        args._copy_bw = bw
-        floor_ms = sbytes["total"] / bw * 1e3
-        bandwidth = {"copy_gbps": bw / 1e9, "step_bytes": sbytes["total"], "hbm_floor_ms": floor_ms,
-                     "achieved_fraction": {k: floor_ms / m for k, m in med.items() if k != "gemm_floor"},
-                     "x_hbm_floor": {k: m / floor_ms for k, m in med.items() if k != "gemm_floor"}}
-    return {"batch": batch, "context": args.context, "max_length": args.max_length,
-            "variants": {k: s.to_dict() for k, s in stats.items()}, "ratios": ratios, "gemms": gemms,
-            "gemm_calls": sum(g["count"] for g in gemms) if gemms else None, "step_bytes": sbytes,
-            "bandwidth": bandwidth, "first_call_s": first_call, "errors": errors}
+    if copy_bw is not None:
+        floor_ms = sbytes["total"] / copy_bw * 1e3
+        bandwidth = {"copy_gbps": copy_bw / 1e9, "step_bytes": sbytes["total"], "hbm_floor_ms": floor_ms,
+                     "achieved_fraction": {k: floor_ms / med[k] for k in ours},
+                     "x_hbm_floor": {k: med[k] / floor_ms for k in ours}}
+    return {"batch": batch, "context": s.context, "max_length": s.max_length,
+            "variants": {k: st.to_dict() for k, st in stats.items()}, "ratios": ratios, "step_bytes": sbytes,
+            "bandwidth": bandwidth}
 
 
-def config_section(preset: str, args) -> dict:
+def config_section(preset: str, s: Settings, copy_bw: float | None, out: dict, save) -> None:
+    """Fill ``out`` (``records.Config``) section by section, calling ``save(done)`` after each."""
     from .models import load_models, parse_dtype
 
-    progress(f"{preset}: loading models ({args.weights or 'default'} weights, {args.device}, {args.dtype})")
-    peer = "peer" not in args.skip
-    models = load_models(preset, device=args.device, dtype=parse_dtype(args.dtype), weights=args.weights, peer=peer,
-                         progress=progress)
-    out = {"model": models.describe(), "compile": None, "kernels": None, "latency": {}}
-    if "compile" not in args.skip:
-        try:
-            out["compile"] = compile_section(preset, models.checkpoint, args, args.device)
-        except Exception as e:  # noqa: BLE001 - report and go on with the other sections
-            progress(f"{preset}: compile section failed: {e}")
-            out["compile"] = {"error": str(e)[:2000], "cold": None, "warm": None}
-    kernels = {} if "kernels" not in args.skip and "compiled" not in args.skip else None
-    for i, batch in enumerate(args.batch_sizes):
-        out["latency"][str(batch)] = latency_section(models, batch, args, kernels if i == 0 else None)
-    if kernels:
-        kernels.setdefault("no_passes", None)
-        kernels.setdefault("passes", None)
-        kernels.setdefault("matches_no_passes", {})
-        kernels.setdefault("matches_passes", {})
-        kernels["batch"] = args.batch_sizes[0]
-    out["kernels"] = kernels or None
-    del models
-    return out
+    progress(f"{preset}: loading models ({s.weights or 'default'} weights, {s.device}, {s.dtype})")
+    models = load_models(preset, device=s.device, dtype=parse_dtype(s.dtype), weights=s.weights,
+                         peer=s.runs("peer"), progress=progress)
+    out["model"] = models.describe()
+    save(f"{preset}/models")
+    if s.runs("compile"):
+        out["compile"] = compile_section(preset, models.checkpoint, s)
+        save(f"{preset}/compile")
+    if not s.runs("latency"):
+        return
+    for i, batch in enumerate(s.batch_sizes):
+        kernels = None
+        if i == 0 and s.runs("kernels") and s.runs("compiled"):
+            kernels = out["kernels"] = {"batch": batch, "no_passes": None, "passes": None, "matches_no_passes": {},
+                                        "matches_passes": {}}
+
+        def publish(entry, batch=batch):
+            out["latency"][str(batch)] = entry
+            save(f"{preset}/latency/{batch}/no-graphs")
+
+        out["latency"][str(batch)] = latency_section(models, batch, s, copy_bw, kernels, publish)
+        save(f"{preset}/latency/{batch}")
 
 
 # ------------------------------------------------------------------------------------------------------ e2e
 
-def e2e_section(args) -> dict:
-    from inkling_compiled.testing.synthetic import cached_checkpoint
-    from inkling_compiled.training.distill import distill, load_metrics
+def e2e_section(s: Settings) -> dict:
+    """``records.E2E``"""
+    from inkling_compiled.training.distill import load_metrics
 
-    from .e2e import E2EConfig, run_e2e
+    from .e2e import E2EConfig, distilled_checkpoint, run_e2e
 
-    progress("e2e: tiny target checkpoint + self-distilled MTP (cached after the first run)")
-    base = cached_checkpoint("tiny")
-    distilled = distill(base, progress=True, **({"steps": args.distill_steps} if args.distill_steps else {}))
-    cfg = E2EConfig(prompts=args.e2e_prompts, new_tokens=args.e2e_tokens, compiled="compiled" not in args.skip,
-                    hf_mtp="peer" not in args.skip)
-    return run_e2e(distilled, device=args.device, cfg=cfg, progress=progress,
-                   distill_metrics=_slim(load_metrics(distilled)))
-
-
-def _slim(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if k != "loss_history"}
+    distilled = s.e2e_checkpoint or distilled_checkpoint(s.distill_steps, progress)
+    cfg = E2EConfig(prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, compiled=s.runs("compiled"),
+                    hf_mtp=s.runs("peer"))
+    try:
+        metrics = {k: v for k, v in load_metrics(distilled).items() if k != "loss_history"}
+    except FileNotFoundError:  # a checkpoint that was not distilled here
+        metrics = None
+    return run_e2e(distilled, device=s.device, cfg=cfg, progress=progress, distill_metrics=metrics)
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiny",
@@ -266,10 +332,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default for full)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads on CPU (default 1: steadier on a shared machine)")
-    p.add_argument("--skip", default="", help=f"comma-separated sections to skip: {', '.join(SECTIONS)} "
-                   "(stock = the compiled variant without our passes; compiled = every compiled variant)")
-    for s in SECTIONS:
-        p.add_argument(f"--no-{s}", action="append_const", dest="skip_flags", const=s, help=f"same as --skip {s}")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: "
+                   + "; ".join(f"{name} ({what})" for name, what in SECTIONS.items()))
     p.add_argument("--quick", action="store_true", help="few iterations everywhere (smoke test, numbers are rough)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--rounds", type=int, default=None)
@@ -280,89 +344,110 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--e2e-prompts", type=int, default=None)
     p.add_argument("--e2e-tokens", type=int, default=None)
     p.add_argument("--distill-steps", type=int, default=None, help="self-distillation Adam steps (default: distill's)")
-    p.add_argument("--json", dest="json_path", default=None, help="write the full result as JSON here")
-    p.add_argument("--results-md", default=str(RESULTS_MD), help="append an entry here ('' to skip)")
-    args = p.parse_args(argv)
+    p.add_argument("--e2e-checkpoint", default=None, metavar="DIR",
+                   help="run e2e on this raw-layout checkpoint (e.g. a distilled one carried to another machine) "
+                        "instead of distilling the tiny target here")
+    p.add_argument("--json", dest="json_path", default=None,
+                   help="where the JSON goes (default: a new file under bench/out/, which git ignores)")
+    p.add_argument("--record", nargs="?", const=str(RESULTS_MD), default=None, metavar="FILE",
+                   help="append an entry to bench/RESULTS.md (or FILE); without it the tracked tree is not touched")
+    a = p.parse_args(argv)
 
-    args.configs = [c.strip() for c in args.config.split(",") if c.strip()]
-    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()} | set(args.skip_flags or [])
-    unknown = args.skip - set(SECTIONS)
-    if unknown:
-        p.error(f"unknown section(s) to skip: {sorted(unknown)}; choose from {SECTIONS}")
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    skip = frozenset(x.strip() for x in a.skip.split(",") if x.strip())
+    if skip - SECTIONS.keys():
+        p.error(f"unknown section(s) to skip: {sorted(skip - SECTIONS.keys())}; choose from {', '.join(SECTIONS)}")
+    try:
+        batch_sizes = tuple(int(b) for b in a.batch_sizes.split(",") if b.strip())
+    except ValueError:
+        p.error(f"--batch-sizes must be comma-separated integers, got {a.batch_sizes!r}")
+    if not batch_sizes or min(batch_sizes) < 1:
+        p.error(f"--batch-sizes must name at least one batch size >= 1, got {a.batch_sizes!r}")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False")
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    args.max_length = args.max_length or args.context + 64
-    if args.max_length <= args.context + 1:
+    max_length = a.max_length or a.context + 64
+    if max_length <= a.context + 1:
         p.error("--max-length must exceed --context + 1")
-    quick = args.quick
     defaults = dict(warmup=(2, 10), rounds=(2, 20), per_round=(3, 20), time_budget=(5.0, 20.0),
                     recompile_steps=(3, 20), e2e_prompts=(1, 4), e2e_tokens=(16, 64))
-    for k, (q, full) in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, q if quick else full)
-    args.threads = args.threads or (1 if args.device == "cpu" else torch.get_num_threads())
-    args._copy_bw = None
-    return args
+    counts = {k: getattr(a, k) if getattr(a, k) is not None else (quick if a.quick else full)
+              for k, (quick, full) in defaults.items()}
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
+    return Settings(
+        configs=tuple(c.strip() for c in a.config.split(",") if c.strip()), device=a.device,
+        dtype=a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"), batch_sizes=batch_sizes,
+        context=a.context, max_length=max_length, weights=a.weights,
+        threads=a.threads or (1 if a.device == "cpu" else torch.get_num_threads()), skip=skip, quick=a.quick,
+        probe_timeout=a.probe_timeout, distill_steps=a.distill_steps,
+        e2e_checkpoint=Path(a.e2e_checkpoint) if a.e2e_checkpoint else None,
+        json_path=Path(a.json_path) if a.json_path else OUT_DIR / f"bench-{stamp}.json",
+        record=Path(a.record) if a.record else None, **counts)
 
 
 def run(argv=None) -> dict:
-    """Parse ``argv``, run every section not skipped, print / write / append the results; returns the result dict."""
-    args = parse_args(argv)
+    """Parse ``argv``, run every section not skipped, print / write / record the results; returns the result."""
+    s = parse_args(argv)
     threads_before = torch.get_num_threads()
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads)
+    if s.device == "cpu":
+        torch.set_num_threads(s.threads)
     try:
-        return _run(args, argv)
+        return _run(s, sys.argv[1:] if argv is None else list(argv))
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(args, argv) -> dict:
+def write_json(path: Path, result: dict) -> None:
+    """Whole or not at all: a run killed while writing leaves the previous copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _run(s: Settings, given: list[str]) -> dict:
     start = time.perf_counter()
-    given = sys.argv[1:] if argv is None else list(argv)
-    command = "python -m bench.run" + (" " + shlex.join(given) if given else "")
     result = {
-        "schema": SCHEMA_ID, "command": command,
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "wall_s": None, "machine": machine_info(args.threads),
-        "settings": {"configs": args.configs, "device": args.device, "dtype": args.dtype,
-                     "batch_sizes": args.batch_sizes, "context": args.context, "max_length": args.max_length,
-                     "threads": args.threads, "quick": args.quick, "skip": sorted(args.skip)},
-        "configs": {}, "e2e": None, "goals": [],
+        "schema": SCHEMA_ID, "command": "python -m bench.run" + (" " + shlex.join(given) if given else ""),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "wall_s": 0.0, "partial": True,
+        "completed": [], "machine": machine_info(s.threads), "settings": s.summary(), "configs": {}, "e2e": None,
+        "goals": [],
     }
 
-    def finish(partial: bool) -> None:
+    def save(done: str | None = None, partial: bool = True) -> None:
+        if done:
+            result["completed"].append(done)
         result["wall_s"] = time.perf_counter() - start
         result["goals"] = report.evaluate_goals(result)
         result["partial"] = partial
-        if args.json_path:  # also after every section, so a run cut short by a time limit keeps what it measured
-            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(s.json_path, result)
 
-    for preset in args.configs:
+    save()
+    progress(f"results go to {s.json_path} (rewritten after every section)")
+    from .step import copy_bandwidth
+
+    copy_bw = copy_bandwidth(torch.device(s.device)) if s.device.startswith("cuda") and s.runs("latency") else None
+    step_sections = s.runs("compile") or s.runs("latency")
+    for preset in s.configs if step_sections else ():
+        out = result["configs"][preset] = {"model": None, "compile": None, "kernels": None, "latency": {}}
         try:
-            result["configs"][preset] = config_section(preset, args)
+            config_section(preset, s, copy_bw, out, save)
         except Exception as e:  # noqa: BLE001 - keep the other configs' results
             progress(f"{preset}: FAILED: {type(e).__name__}: {e}")
-            result["configs"][preset] = {"model": {"preset": preset}, "compile": None, "kernels": None,
-                                         "latency": {}, "error": f"{type(e).__name__}: {e}"[:2000]}
-        finish(partial=True)
-    if "e2e" not in args.skip:
+            out["error"] = f"{type(e).__name__}: {e}"[:2000]
+        save(f"{preset}")
+    if s.runs("e2e"):
         try:
-            result["e2e"] = e2e_section(args)
+            result["e2e"] = e2e_section(s)
         except Exception as e:  # noqa: BLE001
             progress(f"e2e: FAILED: {type(e).__name__}: {e}")
             result["e2e"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-    finish(partial=False)
+        save("e2e")
+    save(partial=False)
     table = report.format_table(result)
     print(table, flush=True)
-    if args.json_path:
-        progress(f"wrote {args.json_path}")
-    if args.results_md:
-        report.append_results(Path(args.results_md), result, table)
-        progress(f"appended an entry to {args.results_md}")
+    progress(f"wrote {s.json_path}")
+    if s.record:
+        report.append_results(s.record, result, table)
+        progress(f"appended an entry to {s.record}")
     return result
 
 

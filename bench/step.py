@@ -8,16 +8,15 @@ after each call, untimed).
 
 Variants: ``eager`` (our modules through ``Drafter(compile=False)``), ``compiled_nopasses`` (``torch.compile`` with
 the post-grad custom slot empty: stock Inductor), ``compiled`` (with our passes), ``cudagraph`` (compiled + passes
-+ CUDA graph replay; CUDA only), ``compiled_call`` (the compiled function alone on the drafter's static buffers,
-CPU: what ``Drafter.draft`` adds around it), ``hf_eager`` (transformers' ``MtpModel.forward_layer(0)`` + its
-``_project_to_logits`` + argmax, with its own ``MtpCache``), ``gemm_floor`` (the eager step's GEMMs alone, see
-:mod:`bench.floor`).
++ CUDA graph replay; CUDA only), ``compiled_call`` (``Drafter.static_step``: the compiled function alone on the
+drafter's static buffers, CPU: what ``Drafter.draft`` adds around it), ``hf_eager`` (transformers'
+``MtpModel.forward_layer(0)`` + its ``_project_to_logits`` + argmax, with its own ``MtpCache``), ``gemm_floor`` (the
+eager step's GEMMs alone, see :mod:`bench.floor`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +24,7 @@ import torch
 
 from inkling_compiled import passes as ic_passes
 from inkling_compiled.runtime import Drafter
-from inkling_compiled.testing.kernel_stats import outer_loops
+from inkling_compiled.testing.kernel_stats import kernel_stats
 
 from .floor import GemmFloor, record_gemms, summarize
 from .models import Models
@@ -74,45 +73,10 @@ def generated_code():
         yield sources
 
 
-_CPP_KERNEL_DEF = re.compile(r'extern "C"\s+void\s+(cpp_fused_\w+)\(')
-_CPP_KERNEL_CALL = re.compile(r"\b(cpp_fused_\w+)\(\(")  # call sites cast their first pointer: name((float*)...
-_AOTI_EXTERN = re.compile(r"\baoti_torch_(?:cpu|cuda)_(\w+?)(?:_out)?\(")
-
-
-def cpp_wrapper_stats(code: str) -> dict:
-    """Kernel stats of a ``cpp_wrapper=True`` module (one C++ source: kernels, then the wrapper calling them and
-    the extern ops through ``aoti_torch_<device>_<op>_out``)."""
-    kernels = sorted(set(_CPP_KERNEL_DEF.findall(code)))
-    extern = [op for op in _AOTI_EXTERN.findall(code) if op not in ("empty_strided",)]
-    launches = len(_CPP_KERNEL_CALL.findall(code))
-    return {"cpp_kernels": len(kernels), "triton_kernels": 0, "kernels": len(kernels),
-            "loop_nests": outer_loops(code), "kernel_launches": launches, "extern_calls": len(extern),
-            "extern_ops": sorted(set(extern)), "launches": launches + len(extern), "wrapper": "cpp"}
-
-
 def kernel_summary(code: list[str]) -> dict:
-    """Kernel definitions and launches of the compiled step's wrapper(s) (design §3): the Python wrapper through
-    ``inkling_compiled.testing.kernel_stats``, a C++ wrapper (``cpp_wrapper=True``, the drafter's CPU default)
-    through :func:`cpp_wrapper_stats`."""
-    from inkling_compiled.testing.kernel_stats import kernel_stats
-
-    cpp = [c for c in code if 'extern "C"' in c and "aoti_torch" in c]
-    py = [c for c in code if c not in cpp]
-    total = {"cpp_kernels": 0, "triton_kernels": 0, "kernels": 0, "loop_nests": 0, "kernel_launches": 0,
-             "extern_calls": 0, "extern_ops": [], "launches": 0}
-    parts = [cpp_wrapper_stats(c) for c in cpp]
-    if py:
-        s = kernel_stats(py)
-        parts.append({"cpp_kernels": s.cpp_kernels, "triton_kernels": s.triton_kernels, "kernels": s.kernels,
-                      "loop_nests": s.loop_nests, "kernel_launches": s.kernel_launches,
-                      "extern_calls": len(s.extern_calls), "extern_ops": sorted(set(s.extern_calls)),
-                      "launches": s.launches})
-    for part in parts:
-        for k in total:
-            total[k] = sorted(set(total[k]) | set(part[k])) if k == "extern_ops" else total[k] + part[k]
-    total["graphs"] = len(code)
-    total["wrapper"] = "+".join(name for name, present in (("cpp", cpp), ("python", py)) if present) or "none"
-    return total
+    """Kernel definitions and launches of the compiled step's wrapper(s) (design §3), Python or C++ wrapper (the
+    drafter's CPU default is ``cpp_wrapper=True``), as ``records.KernelCounts``."""
+    return {**kernel_stats(code).to_dict(), "graphs": len(code)}
 
 
 # ------------------------------------------------------------------------------------------------------- our variants
@@ -145,18 +109,6 @@ def step_fn(drafter: Drafter, inputs: StepInputs):
     def step():
         return drafter.draft(inputs.ids, inputs.positions, inputs.hidden, validate=False).tokens
     return step
-
-
-def graph_call_fn(drafter: Drafter, inputs: StepInputs):
-    """The compiled step function called directly on the drafter's static buffers (no ``draft()`` input copies,
-    output clones or bucketing), to show how much of the step is the ``Drafter.draft`` wrapper. Uses private
-    Drafter attributes: returns None if they changed."""
-    try:
-        shape = drafter._shape(*inputs.positions.shape, False)
-        fn, args = drafter._greedy, shape.args()
-    except (AttributeError, TypeError):
-        return None
-    return lambda: fn(*args)
 
 
 @dataclass

@@ -4,7 +4,7 @@ decoding is lossless, and the section's record is valid."""
 import pytest
 
 from bench.e2e import E2EConfig, run_e2e
-from bench.schema import _Check, _e2e
+from bench.records import E2E, problems
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,6 +19,4 @@ def test_e2e_section_on_the_distilled_target(quick_distilled):
             assert m["outputs_match_target"] is True, name  # greedy speculative decoding is lossless
     assert 0 <= methods["ours_eager"]["acceptance"] <= 1
     assert methods["hf_mtp"]["drafted"] > 0  # transformers' rounds were counted
-    check = _Check()
-    _e2e(check, result, "$.e2e")
-    assert check.problems == []
+    assert problems(result, E2E) == []

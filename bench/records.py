@@ -1,0 +1,294 @@
+"""The JSON that ``python -m bench.run`` writes, as typed records: one ``TypedDict`` per object.
+
+The benchmark builds plain dicts (they go straight to JSON and to :mod:`bench.report`); these types say what each
+one holds, and :func:`problems` checks a loaded result against them (missing, unexpected or mistyped keys), so a
+change to what the benchmark writes is a change here. A result written while the run is still going has
+``partial: true`` and lists what it has measured so far in ``completed``.
+"""
+
+import types
+import typing
+from pathlib import Path
+from typing import Any, NotRequired, TypedDict, Union
+
+SCHEMA_ID = "inkling-bench/2"
+
+
+class Machine(TypedDict):
+    cpu: str
+    cores: int
+    gpu: str | None
+    torch: str
+    transformers: str
+    python: str
+    threads: int
+    platform: str
+    triton: str | None
+
+
+class Settings(TypedDict):
+    configs: list[str]
+    device: str
+    dtype: str
+    batch_sizes: list[int]
+    context: int
+    max_length: int
+    threads: int
+    quick: bool
+    skip: list[str]
+
+
+class Depth0(TypedDict):
+    sliding: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None
+    rel_extent: int
+
+
+class Model(TypedDict):
+    preset: str
+    weights: str  # "checkpoint" | "random"
+    checkpoint: str
+    device: str
+    dtype: str
+    hidden_size: int
+    vocab_size: int
+    logits_vocab_size: int
+    intermediate_size: int
+    depth0: Depth0
+    num_depths: int
+    mtp_parameters: int
+
+
+class CudaGraphCapture(TypedDict):
+    first_call_s: float
+    recompile_s: float
+    capture_s: float
+
+
+class Probe(TypedDict):
+    """One compile in a subprocess (bench.compile_probe), cold or warm."""
+
+    first_call_s: float
+    import_s: float
+    load_s: float
+    dynamo_total_s: float
+    dynamo_s: float
+    backend_s: float
+    inductor_s: float
+    breakdown_s: dict[str, float]
+    graphs: int
+    recompiles: int
+    recompile_steps: int
+    cache_counters: dict[str, int]
+    fxgraph_cache_hit: int
+    fxgraph_cache_miss: int
+    matches: dict[str, int]
+    cuda_graph: CudaGraphCapture | None
+    probe_s: float
+    process_s: float
+
+
+class Compile(TypedDict):
+    batch: int
+    cold: Probe | None
+    warm: Probe | None
+    warm_cache_hit: bool | None
+    error: str | None
+
+
+class KernelCounts(TypedDict):
+    """``KernelStats.to_dict()`` of the compiled step's wrapper(s), plus how many graphs were compiled."""
+
+    cpp_kernels: int
+    triton_kernels: int
+    kernels: int
+    loop_nests: int
+    cpp_launches: int
+    triton_launches: int
+    kernel_launches: int
+    extern_calls: int
+    extern_ops: list[str]
+    launches: int
+    graphs: int
+
+
+class Kernels(TypedDict):
+    batch: int
+    no_passes: KernelCounts | None
+    passes: KernelCounts | None
+    matches_no_passes: dict[str, int]
+    matches_passes: dict[str, int]
+
+
+class Stats(TypedDict):  # bench.timing.Stats
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    min_ms: float
+    n: int
+
+
+class Ratios(TypedDict):
+    speedup_vs_peer: dict[str, float]
+    speedup_vs_eager: dict[str, float]
+    x_floor: dict[str, float]
+
+
+class GemmSummary(TypedDict):
+    op: str
+    mnk: list[int]
+    weight: bool
+    dtype: str
+    count: int
+
+
+class Bandwidth(TypedDict):
+    copy_gbps: float
+    step_bytes: int
+    hbm_floor_ms: float
+    achieved_fraction: dict[str, float]
+    x_hbm_floor: dict[str, float]
+
+
+class Latency(TypedDict):
+    """Variants: eager, compiled_nopasses, compiled, compiled_call (CPU), cudagraph (CUDA), hf_eager, gemm_floor."""
+
+    batch: int
+    context: int
+    max_length: int
+    variants: dict[str, Stats]
+    ratios: Ratios
+    gemms: list[GemmSummary] | None
+    gemm_calls: int | None
+    step_bytes: dict[str, int]
+    bandwidth: Bandwidth | None
+    first_call_s: dict[str, float]
+    errors: dict[str, str]
+
+
+class Config(TypedDict):
+    model: Model | None  # None: the models could not be built (see error)
+    compile: Compile | None
+    kernels: Kernels | None
+    latency: dict[str, Latency]  # by batch size
+    error: NotRequired[str]
+
+
+class Method(TypedDict):
+    tokens_per_s: float
+    ms_per_token: float
+    new_tokens: int
+    seconds: float
+    warmup_s: float
+    acceptance: float | None
+    drafted: int
+    accepted: int
+    rounds: int
+    tokens_per_round: float | None
+    outputs_match_target: bool | None  # None for the target itself
+    speedup_vs_target: float
+
+
+class E2E(TypedDict):
+    checkpoint: str
+    device: str
+    prompts: int
+    prompt_len: int
+    new_tokens: int
+    methods: dict[str, Method]
+    hf_mtp_depths: int
+    distill: dict[str, Any] | None  # distill.json without the loss history
+
+
+class Failed(TypedDict):
+    error: str
+
+
+class Goal(TypedDict):
+    id: str
+    text: str
+    target: str
+    value: float | None
+    unit: str
+    met: bool | None  # None: this run did not measure it
+    note: str
+
+
+class Result(TypedDict):
+    schema: str
+    command: str
+    date: str
+    wall_s: float
+    partial: bool
+    completed: list[str]  # "tiny/models", "tiny/compile", "tiny/latency/1", "tiny", "e2e", ... as they finish
+    machine: Machine
+    settings: Settings
+    configs: dict[str, Config]
+    e2e: E2E | Failed | None
+    goals: list[Goal]
+
+
+def problems(value: Any, kind: Any = Result, where: str = "$") -> list[str]:
+    """Where ``value`` (loaded JSON) departs from the record type ``kind``; empty when it conforms."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is Any:
+        return []
+    if origin in (Union, types.UnionType):
+        found = [problems(value, option, where) for option in args]
+        if not all(found):
+            return []
+        if isinstance(value, (dict, list)):  # the option it comes closest to
+            return min(found, key=len)
+        return [f"{where}: expected {' or '.join(_name(option) for option in args)}, got {value!r}"]
+    if typing.is_typeddict(kind):
+        if not isinstance(value, dict):
+            return [f"{where}: expected an object ({kind.__name__}), got {type(value).__name__}"]
+        hints = typing.get_type_hints(kind)
+        out = [f"{where}: missing key {k!r}" for k in sorted(kind.__required_keys__ - value.keys())]
+        out += [f"{where}: unexpected key {k!r}" for k in sorted(value.keys() - hints.keys())]
+        for k in value:
+            if k in hints:
+                out += problems(value[k], hints[k], f"{where}.{k}")
+        return out
+    if origin is list:
+        if not isinstance(value, list):
+            return [f"{where}: expected a list, got {type(value).__name__}"]
+        return [p for i, item in enumerate(value) for p in problems(item, args[0], f"{where}[{i}]")]
+    if origin is dict:
+        if not isinstance(value, dict):
+            return [f"{where}: expected an object, got {type(value).__name__}"]
+        return [p for k, item in value.items() for p in problems(item, args[1], f"{where}.{k}")]
+    if kind is type(None):
+        return [] if value is None else [f"{where}: expected null, got {value!r}"]
+    accepted = (int, float) if kind is float else kind
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, accepted):
+        return [f"{where}: expected {kind.__name__}, got {value!r}"]
+    return []
+
+
+def _name(kind: Any) -> str:
+    if kind is type(None):
+        return "null"
+    origin = typing.get_origin(kind)
+    return {list: "a list", dict: "an object"}.get(origin) or getattr(kind, "__name__", str(kind))
+
+
+def main(argv=None) -> int:
+    """``python -m bench.records RESULT.json``: one line on a saved result (the GPU check prints it per stage)."""
+    import json
+    import sys
+
+    path = (sys.argv[1:] if argv is None else argv)[0]
+    result = json.loads(Path(path).read_text())
+    found = problems(result)
+    state = "partial" if result.get("partial") else "complete"
+    print(f"{path}: {state}, completed {result.get('completed')}; "
+          + (f"{len(found)} problem(s): {found[:5]}" if found else "conforms to bench.records.Result"))
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
