@@ -1,10 +1,22 @@
-# The README commands: `make bench` (main job), `make test` and `make lint`.
+# The two README commands: `make bench` (main job) and `make test`; CI also runs `make lint` and `make test-floor`.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: bench test lint setup
+# test-floor: the tests that exercise our dependencies, in a second venv holding the lowest version of every
+# requirement that pyproject.toml allows (.ci/floor_constraints.py turns each `>=X` into `==X`; torch 2.11 is a
+# CUDA build from PyPI, ~1.7 GB). transformers, safetensors, tqdm: speculative loop, parity, checkpoints, bench e2e;
+# torch: one compile of the real model step with both passes (the whole suite on 2.11 is too slow for CI).
+FLOOR_VENV  ?= .venv-floor
+FLOOR_PY    := $(FLOOR_VENV)/bin/python
+FLOOR_TESTS ?= tests/test_hf_compat.py tests/runtime/test_speculative.py tests/model/test_parity_hf.py \
+               tests/test_checkpoint.py tests/test_config.py tests/testing/test_synthetic.py \
+               tests/testing/test_fixture_parity.py \
+               tests/bench/test_e2e.py::test_e2e_section_on_the_distilled_target \
+               tests/passes/test_real_model.py::test_ids_step_and_top_tokens_fp32
+
+.PHONY: bench test lint test-floor setup
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,3 +35,17 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
+
+# No build isolation, so that the package is built with the floor's setuptools too (setuptools < 70.1 needs wheel).
+$(FLOOR_VENV)/.installed: pyproject.toml .ci/floor_constraints.py
+	rm -rf $(FLOOR_VENV)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(PYTHON) .ci/floor_constraints.py pyproject.toml > $(FLOOR_VENV)/constraints.txt
+	$(FLOOR_PY) -m pip install -q --upgrade pip
+	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt setuptools wheel
+	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt --no-build-isolation -e ".[test]"
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed
+	$(FLOOR_PY) -m pip list --format=freeze | grep -iE "^($$(cut -d= -f1 $(FLOOR_VENV)/constraints.txt | paste -sd'|'))=="
+	$(FLOOR_PY) -m pytest -q $(FLOOR_TESTS) $(ARGS)

@@ -21,6 +21,7 @@ import torch
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.config import logits_vocab_size
+from inkling_compiled.hf_compat import cache_argument
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.runtime.speculative import speculative_generate
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
@@ -108,10 +109,11 @@ def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig | None = None, progress=
         from transformers import DynamicCache
 
         cache = DynamicCache(config=target.config)
+        cache_kwarg = {cache_argument(target.model): cache}
         mask = torch.ones_like(p)
         ids, out = p, []
         for _ in range(cfg.new_tokens):
-            h = target.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
+            h = target.model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwarg).last_hidden_state
             ids = target.lm_head(h[:, -1:] / mup)[..., :vocab].argmax(-1)
             out.append(ids)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)

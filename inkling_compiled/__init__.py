@@ -6,7 +6,7 @@ Importing the package installs its Inductor passes (``inkling_compiled.passes``)
 ``inkling_compiled.passes.uninstall()``, leaves Inductor stock.
 """
 
-from . import passes
+from . import hf_compat, passes  # noqa: F401 (hf_compat first: importing it checks the transformers version)
 from .checkpoint import CheckpointError
 from .config import ConfigError, MTPConfig
 from .model import InklingMTP, MTPCache

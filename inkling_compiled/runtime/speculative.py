@@ -76,6 +76,7 @@ import torch
 from transformers import DynamicCache
 
 from ..config import logits_vocab_size
+from ..hf_compat import cache_argument
 from .drafter import check_temperature
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
@@ -120,7 +121,8 @@ def _target_step(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     Returns (post-final-norm hidden [B, T, H], float32 logits [B, T or 1, V]); the logits are computed with exactly
     the operations of the target's own forward (hidden / muP -> lm_head -> drop the padded vocabulary rows).
     """
-    out = target.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True)
+    model = target.model
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{cache_argument(model): cache})
     hidden = out.last_hidden_state
     text = _text_config(target)
     scaled = hidden / text.logits_mup_width_multiplier
