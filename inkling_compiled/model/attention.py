@@ -39,10 +39,15 @@ def log_scaling(positions: torch.Tensor, n_floor: int, alpha: float) -> torch.Te
 
 
 def relative_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor,
-                       q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+                       q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, scale: float,
+                       real_queries: torch.Tensor | None = None) -> torch.Tensor:
     """Scores ``q.k * scale + bias`` (fp32), masked causal/windowed by absolute position, softmax, weighted values.
 
     q: [B, T, Hq, d]; k, v: [B, S, Hkv, d]; rel: [B, T, Hq, E]; q_pos: [B, T]; k_pos: [B, S]. Returns [B, T, Hq, d].
+    ``real_queries`` [B, T] (cached calls: False on padding rows) isolates the real rows from every cache slot none of
+    them may see: such a slot's value is replaced by zeros, since its zero probability times a NaN or inf it may hold
+    (a padding row, a stale or rejected row at a later position) would still be NaN. Masked keys are already harmless
+    (their scores are overwritten by -inf). Without a cache every key is one of the call's own rows.
     """
     batch, seq, heads, dim = q.shape
     kv_heads, extent = k.shape[2], rel.shape[-1]
@@ -60,7 +65,11 @@ def relative_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: t
     scores = (qg @ kt) * scale + bias.view(batch, seq, kv_heads, group, -1).permute(0, 2, 3, 1, 4)
     scores = scores.masked_fill(~visible[:, None, None], -math.inf)
     probs = torch.softmax(scores, dim=-1)
-    out = probs @ v.float().permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, G, T, d]
+    values = v.float()
+    if real_queries is not None:
+        seen = (visible & real_queries[:, :, None]).any(dim=1)  # [B, S]: some real row of the call may read the slot
+        values = torch.where(seen[:, :, None, None], values, 0.0)
+    out = probs @ values.permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, G, T, d]
     return out.permute(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim).to(q.dtype)
 
 
@@ -98,8 +107,9 @@ class Attention(nn.Module):
             rel = (rel.float() * tau).to(rel.dtype)
 
         if cache is None:
-            keys, values, key_pos = k, v, positions
+            keys, values, key_pos, real = k, v, positions, None
         else:
             keys, values, key_pos = cache.write_kv(k, v, positions, g.window)
-        out = relative_attention(q, keys, values, rel, positions, key_pos, g.window, self.scale)
+            real = positions != cache.pad_position
+        out = relative_attention(q, keys, values, rel, positions, key_pos, g.window, self.scale, real)
         return self.wo_ud(out.reshape(batch, seq, -1))

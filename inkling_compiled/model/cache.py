@@ -5,15 +5,24 @@ streams (k, v, attention branch, MLP branch) per absolute position. Buffers are 
 (CUDA-graph friendly) and written by position, so recomputing a position overwrites it: rejected rows never need a
 rollback. Each buffer has one extra row, ``pad_position == max_length``: a scratch slot that padding rows write to
 and that no real query can see (real positions are < max_length, and keys are visible only at distances >= 0).
+The buffers are inference state: what is stored is detached, so they never record autograd history.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from ..config import MTPConfig
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` as an int, or ValueError unless it is an integer >= 1 (a bool or a float is not a count)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__") or operator.index(value) < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return operator.index(value)
 
 
 @dataclass
@@ -37,16 +46,21 @@ class DepthCache:
         """
         batch, seq = positions.shape
         rows = torch.arange(batch, device=k.device)[:, None]
-        self.k.index_put_((rows.expand_as(positions), positions), k)
-        self.v.index_put_((rows.expand_as(positions), positions), v)
+        self.k.index_put_((rows.expand_as(positions), positions), k.detach())
+        self.v.index_put_((rows.expand_as(positions), positions), v.detach())
         if window is None:
             return self.k[:batch], self.v[:batch], self.key_positions[None, :].expand(batch, -1)
-        pad = self.key_positions.shape[0] - 1
+        pad = self.pad_position
         first = torch.where(positions == pad, pad, positions).amin(dim=1, keepdim=True)  # earliest real row
         slots = first - (window - 1) + torch.arange(window + seq - 1, device=k.device)  # [B, W + T - 1]
         index = slots.clamp(0, pad)
         key_positions = torch.where(slots < 0, pad + window + seq, slots)
         return self.k[rows, index], self.v[rows, index], key_positions
+
+    @property
+    def pad_position(self) -> int:
+        """The scratch slot's position (the last one): padding rows are written there, no real query sees it."""
+        return self.key_positions.shape[0] - 1
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.conv_k, self.conv_v, self.conv_attn, self.conv_mlp]
@@ -57,8 +71,7 @@ class MTPCache:
 
     def __init__(self, config: MTPConfig, batch_size: int, max_length: int, dtype: torch.dtype,
                  device: torch.device | str):
-        if batch_size < 1 or max_length < 1:
-            raise ValueError(f"cache needs batch_size >= 1 and max_length >= 1, got {batch_size}, {max_length}")
+        batch_size, max_length = positive_int("batch_size", batch_size), positive_int("max_length", max_length)
         self.batch_size, self.max_length = batch_size, max_length
         slots = max_length + 1
         key_positions = torch.arange(slots, device=device)

@@ -8,11 +8,12 @@ The embedding table, the backbone ``embed_norm`` and the LM head belong to the t
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch import nn
 
-from ..checkpoint import RawCheckpoint, save_checkpoint
+from ..checkpoint import SHARED_KEYS, RawCheckpoint, save_checkpoint
 from ..config import DepthGeometry, MTPConfig
 from .block import DecoderBlock
 from .cache import DepthCache, MTPCache
@@ -42,6 +43,9 @@ class MTPDepth(nn.Module):
 class InklingMTP(nn.Module):
     """Inkling's multi-token-prediction draft head: any number of depths over the target's shared tensors."""
 
+    SHARED = tuple(SHARED_KEYS)  # the target's tensors (spec §3.1)
+    _target_ref: weakref.ref | None = None  # the module whose own Parameters fill SHARED (loaded with `target=`)
+
     def __init__(self, config: MTPConfig):
         super().__init__()
         self.config = config
@@ -52,6 +56,9 @@ class InklingMTP(nn.Module):
         self.embed_weight = nn.Parameter(torch.zeros(v, h))
         self.embed_norm_weight = nn.Parameter(torch.ones(h)) if config.use_embed_norm else None
         self.lm_head_weight = nn.Parameter(torch.zeros(v, h))
+        # every module's own Parameter dict (entries are replaced by loading, the dicts are not): reading dtypes
+        # through them costs a fifth of named_parameters(), on every validated call
+        self._parameter_dicts = tuple(m._parameters for m in self.modules())
 
     # -- public API (design §2) ------------------------------------------------------------------------------------
 
@@ -77,6 +84,8 @@ class InklingMTP(nn.Module):
         for name, param in lent.items():  # load_state_dict(assign=True) gives a Parameter our requires_grad: keep
             getattr(model, name).requires_grad_(param.requires_grad)  # the target's own
         model.load_state_dict({**own, **lent}, strict=True, assign=True)
+        if target is not None:
+            model.shares_tensors_of(target)
         return model.eval()
 
     def save_pretrained(self, path: str | os.PathLike, *, include_shared: bool = True) -> None:
@@ -97,10 +106,18 @@ class InklingMTP(nn.Module):
         ``input_ids`` are the tokens x_{t+depth+1}; ``inputs_embeds`` replaces them with already backbone-normed
         embeddings (multimodal rows, spec §7), to which only the depth's own embed_norm is applied. With a cache the
         rows are written at their positions (``cache.pad_position`` marks padding rows); without one the rows are the
-        whole sequence.
+        whole sequence. Eager calls are validated first (:meth:`check_inputs`, one host sync); traced calls
+        (``torch.compile``) are not, and callers that validated once at their own boundary use
+        :meth:`forward_unchecked`.
         """
         if not torch.compiler.is_compiling():
             self.check_inputs(input_ids, positions, previous_hidden, cache, depth, inputs_embeds)
+        return self.forward_unchecked(input_ids, positions, previous_hidden, cache, depth, inputs_embeds)
+
+    def forward_unchecked(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                          previous_hidden: torch.Tensor, cache: MTPCache | None = None, depth: int = 0,
+                          inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` without input validation (no host sync): bad inputs crash or answer wrong here."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         hidden = self.layers[depth](inputs_embeds, previous_hidden, positions,
@@ -127,14 +144,80 @@ class InklingMTP(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head_weight.device
 
+    # -- tensors shared with the target ----------------------------------------------------------------------------
+
+    def shares_tensors_of(self, target: nn.Module) -> None:
+        """Note that ``target`` owns the Parameters in :attr:`SHARED` that are its own (loaded with ``target=``).
+
+        Only a weak reference is kept; a copy or an unpickled model owns what it holds.
+        """
+        self._target_ref = weakref.ref(target)
+
+    def shared_parameters(self) -> dict[str, nn.Parameter]:
+        """The Parameters of :attr:`SHARED` that are, right now, the very Parameters of the target's."""
+        target = self._target_ref() if self._target_ref is not None else None
+        if target is None:
+            return {}
+        theirs = {id(p) for p in target.parameters()}
+        return {n: p for n in self.SHARED if (p := self._parameters.get(n)) is not None and id(p) in theirs}
+
+    def _apply(self, fn, recurse=True):
+        """``.to()`` / ``.half()`` / ``.cuda()`` ... convert what this model owns. A tensor shared with the target is
+        the target's: a conversion that would change it raises (before anything is converted) rather than convert
+        the target behind its back; one that leaves it as it is (the target was converted first) passes."""
+        shared = self.shared_parameters()
+        changed = []
+        for name, p in shared.items():
+            probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))  # what the conversion makes of this tensor
+            if (probe.dtype, probe.device) != (p.dtype, p.device):
+                changed.append(f"{name} ({p.dtype} on {p.device} -> {probe.dtype} on {probe.device})")
+        if changed:
+            raise ValueError(f"this conversion would change {', '.join(changed)}: tensors the MTP shares with its "
+                             "target (loaded with target=), which would break the target. Convert the target "
+                             "instead and re-load the MTP with InklingMTP.from_pretrained(path, target=target) (or "
+                             "convert the target first, then the MTP the same way)")
+        for name in shared:  # hidden from the conversion, in place so the parameter order is kept
+            self._parameters[name] = None
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters.update(shared)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_target_ref", None)  # a weak reference does not pickle, and a copy shares nothing
+        return state
+
     # -- validation ----------------------------------------------------------------------------------------------
 
+    def check_parameters(self) -> None:
+        """ValueError naming the tensors when the parameters are not all of one dtype on one device (the target was
+        converted after loading with ``target=``, so its shared tensors changed and the MTP's own did not)."""
+        kinds = {(p.dtype, p.device) for params in self._parameter_dicts for p in params.values() if p is not None}
+        if len(kinds) > 1:
+            groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+            for name, p in self.named_parameters():
+                groups.setdefault((p.dtype, p.device), []).append(name)
+            parts = [f"{dtype} on {device}: {_some(names)}"
+                     for (dtype, device), names in sorted(groups.items(), key=lambda item: len(item[1]))]
+            raise ValueError("the MTP's parameters are not all of one dtype on one device (" + "; ".join(parts)
+                             + "). Was the target converted after loading? Its shared tensors "
+                             f"({', '.join(n for n in self.SHARED if getattr(self, n) is not None)}) changed "
+                             "with it: convert the MTP the same way (mtp.to(...)) or re-load it with target=")
+
     def check_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor, previous_hidden: torch.Tensor,
-                     cache: MTPCache | None = None, depth: int = 0,
-                     inputs_embeds: torch.Tensor | None = None) -> None:
-        """Raise ValueError naming the problem for any bad shape, dtype, device, id or position (reads values:
-        syncs)."""
+                     cache: MTPCache | None = None, depth: int = 0, inputs_embeds: torch.Tensor | None = None, *,
+                     drafting: bool = False) -> None:
+        """Raise ValueError naming the problem for any bad argument, shape, dtype, device, id, position or value.
+
+        Padding rows are those at ``cache.pad_position``; their positions and hidden values are not checked.
+        ``drafting`` applies the Drafter's conventions instead: negative positions mark padding, and every sequence
+        needs a real row (its draft is read off its last one). Reading the values costs one host sync.
+        """
+        self.check_parameters()
         h, n = self.config.hidden_size, self.config.num_depths
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise ValueError(f"depth must be an int in [0, {n}), got {depth!r}")
         if not 0 <= depth < n:
             raise ValueError(f"depth {depth} out of range: this model has {n} MTP depth(s)")
         if (input_ids is None) == (inputs_embeds is None):
@@ -145,39 +228,86 @@ class InklingMTP(nn.Module):
             raise ValueError(f"positions has no rows (shape {tuple(positions.shape)}): need B >= 1 and T >= 1")
         if input_ids is not None:
             _check_tensor("input_ids", input_ids, ndim=2, integer=True, device=self.device, shape=(batch, seq))
-            lo, hi = int(input_ids.min()), int(input_ids.max())
-            vocab = self.embed_weight.shape[0]
-            if lo < 0 or hi >= vocab:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"token id {bad} out of range: ids must be in [0, {vocab}) "
-                                 "(the embedding table's rows)")
         else:
             _check_tensor("inputs_embeds", inputs_embeds, ndim=3, device=self.device, shape=(batch, seq, h),
                           dtype=self.dtype)
         _check_tensor("previous_hidden", previous_hidden, ndim=3, device=self.device, shape=(batch, seq, h),
                       dtype=self.dtype)
-        lo, hi = int(positions.min()), int(positions.max())
+        if cache is not None:
+            self._check_cache(cache, batch)
+        if drafting:
+            padding, note = positions < 0, "negative positions mark padding rows"
+        elif cache is not None:
+            padding, note = positions == cache.pad_position, f"{cache.pad_position} marks padding rows"
+        else:
+            padding, note = None, ""
+        self._check_values(input_ids, inputs_embeds, positions, previous_hidden, padding, cache, note, drafting)
+
+    def _check_cache(self, cache: MTPCache, batch: int) -> None:
+        if not isinstance(cache, MTPCache):
+            raise ValueError(f"cache must be an MTPCache (from new_cache), got {type(cache).__name__}")
+        if batch > cache.batch_size:
+            raise ValueError(f"batch of {batch} sequences exceeds the cache's batch_size {cache.batch_size}")
+        if len(cache.depths) != self.config.num_depths:
+            raise ValueError(f"cache has {len(cache.depths)} depth(s), the model {self.config.num_depths}")
+        k = cache.depths[0].k
+        if k.device != self.device or k.dtype != self.dtype:
+            raise ValueError(f"cache is {k.dtype} on {k.device}, the model {self.dtype} on {self.device}")
+        for i, (d, g) in enumerate(zip(cache.depths, self.config.depths)):
+            got, want = (*d.k.shape[2:], d.conv_attn.shape[-1]), (g.num_kv_heads, g.head_dim, self.config.hidden_size)
+            if got != want:
+                raise ValueError(f"cache depth {i} holds (kv heads, head dim, hidden) {got}, the model's depth {i} "
+                                 f"needs {want}: the cache was built for another model")
+
+    def _check_values(self, input_ids, inputs_embeds, positions, previous_hidden, padding, cache, note,
+                      drafting) -> None:
+        """Ids in the table; real rows at positions >= 0, inside the cache and consecutive per sequence, with finite
+        inputs (and, drafting, at least one per sequence). Reduced on the device to a few numbers, one host sync."""
+        if padding is None:
+            padding = torch.zeros_like(positions, dtype=torch.bool)
+        real, pos, none = ~padding, positions.long(), torch.iinfo(torch.long).max
+        first = pos.masked_fill(padding, none).amin(dim=1, keepdim=True)  # a sequence's earliest real row
+        stats = [first.amin(), pos.masked_fill(padding, -1).amax(), first.amax()]
+        if input_ids is not None:
+            stats += torch.aminmax(input_ids.long())
+        nonfinite = {name: real & ~x.isfinite().all(dim=-1)  # [B, T]: real rows holding a NaN or inf
+                     for name, x in (("previous_hidden", previous_hidden), ("inputs_embeds", inputs_embeds))
+                     if x is not None}
+        stats += [bad.sum() for bad in nonfinite.values()]
+        if cache is not None:  # the real rows, in column order, are at first, first + 1, ...
+            broken = real & (pos - first + 1 != real.cumsum(dim=1))
+            stats.append(broken.sum())
+        values = torch.stack(stats).tolist()  # the one host sync
+        lo, hi, last_first = values.pop(0), values.pop(0), values.pop(0)
+        if drafting and last_first == none:
+            row = int((first == none).nonzero()[0, 0])
+            raise ValueError(f"sequence {row} has no real row (all its positions are negative): nothing to draft from")
+        if input_ids is not None:
+            lo_id, hi_id = values.pop(0), values.pop(0)
+            vocab = self.embed_weight.shape[0]
+            if lo_id < 0 or hi_id >= vocab:
+                raise ValueError(f"token id {lo_id if lo_id < 0 else hi_id} out of range: ids must be in [0, {vocab}) "
+                                 "(the embedding table's rows)")
         if lo < 0:
             raise ValueError(f"position {lo} is negative")
-        if cache is not None:
-            if batch > cache.batch_size:
-                raise ValueError(f"batch of {batch} sequences exceeds the cache's batch_size {cache.batch_size}")
-            if len(cache.depths) != n:
-                raise ValueError(f"cache has {len(cache.depths)} depth(s), the model {n}")
-            real = positions[positions != cache.pad_position]
-            if real.numel() and int(real.max()) >= cache.max_length:
-                raise ValueError(f"position {int(real.max())} is past the cache capacity: max_length is "
-                                 f"{cache.max_length} (positions 0..{cache.max_length - 1}; "
-                                 f"{cache.pad_position} marks padding rows)")
-            for row, row_positions in enumerate(positions.tolist()):
-                real_row = [p for p in row_positions if p != cache.pad_position]
-                if real_row != list(range(real_row[0], real_row[0] + len(real_row)) if real_row else []):
-                    raise ValueError(f"sequence {row}: positions {real_row} are not consecutive; with a cache the real "
-                                     f"rows of a sequence are consecutive positions ({cache.pad_position} marks "
-                                     "padding rows)")
-            if cache.depths[0].k.device != self.device or cache.depths[0].k.dtype != self.dtype:
-                raise ValueError(f"cache is {cache.depths[0].k.dtype} on {cache.depths[0].k.device}, "
-                                 f"the model {self.dtype} on {self.device}")
+        for (name, bad), count in zip(nonfinite.items(), values):
+            if count:
+                b, t = bad.nonzero()[0].tolist()
+                raise ValueError(f"{name} holds a NaN or inf at sequence {b}, row {t} (position "
+                                 f"{int(positions[b, t])}): the inputs of real rows must be finite")
+        if cache is None:
+            return
+        if hi >= cache.max_length:
+            raise ValueError(f"position {hi} is past the cache capacity: max_length is {cache.max_length} "
+                             f"(positions 0..{cache.max_length - 1}; {note})")
+        if values[-1]:
+            row = int(broken.any(dim=1).nonzero()[0])
+            raise ValueError(f"sequence {row}: positions {positions[row][real[row]].tolist()} are not consecutive; "
+                             f"with a cache the real rows of a sequence are consecutive positions ({note})")
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _check_tensor(name: str, t, *, ndim: int, device: torch.device, integer: bool = False,

@@ -3,6 +3,8 @@
 ``SConv(x)_t = x_t + sum_k w[:, 0, k] * x_{t-(K-1)+k}`` with x = 0 before position 0, rounded once to x's dtype.
 With a cache the conv *inputs* are stored by absolute position (spec §6.6): the current rows are written first, then
 all K taps are read back by position, so re-running a position simply overwrites its slot and rollback is free.
+A row's taps are its own sequence's earlier positions; slots before position 0 enter as exact zeros (a select, not a
+multiply), so whatever a cache slot holds reaches only the rows whose taps cover it.
 """
 
 import torch
@@ -33,7 +35,7 @@ class ShortConv(nn.Module):
 
     def _taps(self, x: torch.Tensor, positions: torch.Tensor, state: torch.Tensor) -> list[torch.Tensor]:
         rows = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(positions)
-        state.index_put_((rows, positions), x.to(state.dtype))
+        state.index_put_((rows, positions), x.detach().to(state.dtype))  # inference state: no autograd history
         taps = []
         for k in range(self.kernel_size):
             back = positions - (self.kernel_size - 1 - k)

@@ -1,23 +1,26 @@
 """The drafter: an ``InklingMTP`` plus its static cache, run through ``torch.compile`` and, on GPU, CUDA graphs.
 
 One call drafts one token per sequence from MTP depth 0: the rows given (the prompt at prefill, or the target's
-verified window while decoding) are written into the position-addressed cache and the last row's logits give the
-draft (spec §6.3-6.4). Shapes are bucketed so that compiled graphs are reused: the batch is padded up to a batch
-bucket and the rows up to a power of two, with padding rows at ``cache.pad_position`` (they touch only a scratch
-slot). Each (batch bucket, rows, greedy/sampled) shape owns static input/output buffers; on CUDA the shapes in
-``graph_rows`` are captured once as CUDA graphs sharing one memory pool and later only replayed. Greedy and sampled
-drafting both stay on the device: sampling uses the exponential-race form of the Gumbel trick
-(``argmax(q / E)``, ``E ~ Exp(1)``), with q the muP-correct draft distribution, returned for verification.
+verified window while decoding) are written into the position-addressed cache and the logits of each sequence's last
+real row (its largest position, picked on the device) give the draft (spec §6.3-6.4). Shapes are bucketed so that
+compiled graphs are reused: the batch is padded up to a batch bucket and the rows up to a power of two, with padding
+rows at ``cache.pad_position`` (they touch only a scratch slot). Each (batch bucket, rows, greedy/sampled) shape
+owns static input/output buffers; on CUDA the shapes in ``graph_rows`` are captured once as CUDA graphs sharing one
+memory pool and later only replayed. Greedy and sampled drafting both stay on the device: sampling uses the
+exponential-race form of the Gumbel trick (``argmax(q / E)``, ``E ~ Exp(1)``), with q the muP-correct draft
+distribution, returned for verification.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..model.cache import positive_int
 from ..model.mtp import InklingMTP
 from ..torch_version import BEFORE_2_13
 
@@ -30,16 +33,56 @@ CPU_CODEGEN_WORKAROUNDS = {"cpp.simdlen": 1} if BEFORE_2_13 else {}
 
 
 def check_temperature(temperature) -> None:
-    """ValueError unless ``temperature`` is a finite number >= 0 (0 means greedy)."""
-    if not isinstance(temperature, (int, float)) or not 0.0 <= temperature < float("inf"):
+    """ValueError unless ``temperature`` is a finite number >= 0 (0 means greedy; a bool is not a temperature)."""
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not 0.0 <= temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+
+
+def check_generator(generator, device: torch.device) -> None:
+    """ValueError unless ``generator`` is None or a ``torch.Generator`` for ``device``'s type (what sampling needs)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
+    if generator.device.type != device.type:
+        raise ValueError(f"generator is on {generator.device}, the model on {device}: sampling needs a generator "
+                         f"of the model's device (torch.Generator(device={device.type!r}))")
+
+
+def _bucket_sizes(name: str, values) -> tuple[int, ...]:
+    """Sorted distinct sizes, each an int >= 1."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a tuple of ints >= 1, got {values!r}")
+    return tuple(sorted({positive_int(f"each of {name}", v) for v in values}))
+
+
+def _compile_options(compile_options, on_cuda: bool) -> dict:
+    """torch.compile's keyword arguments for the step: ours (fullgraph, static shapes), then the caller's."""
+    if compile_options is None:
+        compile_options = {}
+    if not isinstance(compile_options, dict):
+        raise ValueError(f"compile_options must be a dict of torch.compile arguments, got {compile_options!r}")
+    accepted = set(inspect.signature(torch.compile).parameters) - {"model"}
+    unknown = sorted(set(compile_options) - accepted)
+    if unknown:
+        raise ValueError(f"compile_options {unknown} are not torch.compile arguments (those are {sorted(accepted)})")
+    options = {"fullgraph": True, "dynamic": False, **compile_options}
+    inductor = options.get("options") or {}
+    if not isinstance(inductor, dict):
+        raise ValueError(f"compile_options['options'] must be a dict of Inductor options, got {inductor!r}")
+    if not on_cuda:  # a C++ wrapper around the CPU kernels: ~30 us less per call than the Python wrapper
+        inductor = {"cpp_wrapper": True, **CPU_CODEGEN_WORKAROUNDS, **inductor}
+    if inductor:
+        options["options"] = inductor
+    return options
 
 
 @dataclass
 class DraftResult:
     tokens: torch.Tensor  # [B] drafted token ids
     probs: torch.Tensor | None  # [B, V] draft distribution the tokens were sampled from; None when greedy
-    hidden: torch.Tensor  # [B, H] last row's depth output (the next depth's hidden input when chaining)
+    hidden: torch.Tensor  # [B, H] last real row's depth output (the next depth's hidden input when chaining)
 
 
 class _Shape:
@@ -73,21 +116,28 @@ class Drafter:
     def __init__(self, model: InklingMTP, max_batch_size: int, max_length: int, *, compile: bool = True,
                  cuda_graphs: bool | None = None, batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
                  graph_rows: tuple[int, ...] = DEFAULT_GRAPH_ROWS, compile_options: dict | None = None):
+        if not isinstance(model, InklingMTP):
+            raise ValueError(f"model must be an InklingMTP, got {type(model).__name__}")
+        model.check_parameters()
+        if not isinstance(compile, bool) or not (cuda_graphs is None or isinstance(cuda_graphs, bool)):
+            raise ValueError(f"compile must be a bool and cuda_graphs a bool or None, got {compile!r}, {cuda_graphs!r}")
         self.model = model
-        self.max_batch_size, self.max_length = max_batch_size, max_length
-        self.cache = model.new_cache(max_batch_size, max_length)
-        self.batch_buckets = tuple(sorted({b for b in batch_buckets if b < max_batch_size} | {max_batch_size}))
-        self.graph_batch_limit = max(batch_buckets)
-        self.graph_rows = tuple(graph_rows)
+        self.max_batch_size = positive_int("max_batch_size", max_batch_size)
+        self.max_length = positive_int("max_length", max_length)
+        self.cache = model.new_cache(self.max_batch_size, self.max_length)
+        buckets = _bucket_sizes("batch_buckets", batch_buckets)
+        if not buckets:
+            raise ValueError("batch_buckets must name at least one batch size")
+        self.batch_buckets = tuple(b for b in buckets if b < self.max_batch_size) + (self.max_batch_size,)
+        self.graph_batch_limit = buckets[-1]
+        self.graph_rows = _bucket_sizes("graph_rows", graph_rows)
         on_cuda = model.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA model; this one is on {model.device}")
-        if cuda_graphs and not compile:  # the eager forward validates its inputs by reading them: no capture
+        if cuda_graphs and not compile:  # the eager step is not captured
             raise ValueError("cuda_graphs=True needs compile=True")
         self.cuda_graphs = on_cuda and compile if cuda_graphs is None else cuda_graphs
-        options = dict(fullgraph=True, dynamic=False, **(compile_options or {}))
-        if not on_cuda:  # a C++ wrapper around the CPU kernels: ~30 us less per call than the Python wrapper
-            options["options"] = {"cpp_wrapper": True, **CPU_CODEGEN_WORKAROUNDS, **options.get("options", {})}
+        options = _compile_options(compile_options, on_cuda)
         self._greedy = torch.compile(self._greedy_step, **options) if compile else self._greedy_step
         self._sampled = torch.compile(self._sampled_step, **options) if compile else self._sampled_step
         self._shapes: dict[tuple[int, int, bool], _Shape] = {}
@@ -96,9 +146,12 @@ class Drafter:
     # -- the compiled step functions (traced by torch.compile; our Inductor passes apply to them) ------------------
 
     def _run_depth0(self, input_ids, positions, hidden):
+        """Depth 0 over the rows (validated, if at all, by :meth:`draft`); each sequence's output at its last real
+        row, the one at its largest position (real rows are consecutive; padding, < 0, may sit anywhere)."""
+        last = positions.argmax(dim=1)
         positions = torch.where(positions < 0, self.cache.pad_position, positions)
-        out = self.model(input_ids, positions, hidden, cache=self.cache, depth=0)
-        return out[:, -1]
+        out = self.model.forward_unchecked(input_ids, positions, hidden, cache=self.cache, depth=0)
+        return out[torch.arange(out.shape[0], device=out.device), last]
 
     def _greedy_step(self, input_ids, positions, hidden):
         last = self._run_depth0(input_ids, positions, hidden)
@@ -114,20 +167,22 @@ class Drafter:
     def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, *,
               temperature: float = 0.0, generator: torch.Generator | None = None,
               validate: bool = True) -> DraftResult:
-        """Run depth 0 over rows [B, T] and draft the token after the last column of each sequence.
+        """Run depth 0 over rows [B, T] and draft the token after each sequence's last real row.
 
         Row t of sequence b is (target hidden at ``positions[b, t]``, token at ``positions[b, t] + 1``); negative
-        positions mark padding rows. ``validate`` checks ids and positions against the table and the cache (this
-        reads them: a host sync), which internal callers that already know them skip.
+        positions mark padding rows, which may sit anywhere (left or right padding); the real rows of a sequence are
+        consecutive positions. ``validate`` checks every argument (:meth:`check`: one host sync); callers that
+        validated at their own boundary pass ``validate=False``, and then nothing is checked at all.
         """
         if validate:
             self.check(input_ids, positions, hidden)
             check_temperature(temperature)
+            check_generator(generator, self.model.device)
         batch, rows = positions.shape
         shape = self._shape(batch, rows, temperature > 0)
         exact = batch == shape.batch and rows == shape.rows  # no padding: skip the slicing (it costs per call)
-        for buffer, value in zip(shape.args(), (input_ids, positions, hidden)):
-            (buffer if exact else buffer[:batch, -rows:]).copy_(value)
+        for buffer, value in zip(shape.args(), (input_ids, positions, hidden)):  # inference state: no autograd history
+            (buffer if exact else buffer[:batch, -rows:]).copy_(value.detach())
         if shape.sampled:
             shape.noise.exponential_(generator=generator)
             shape.inv_temperature.fill_(1.0 / temperature)
@@ -139,24 +194,27 @@ class Drafter:
         return DraftResult(tokens=outputs[0], probs=outputs[2] if shape.sampled else None, hidden=outputs[1])
 
     def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
-        """ValueError naming the problem for a bad batch, shape, id or position (reads values: syncs)."""
+        """ValueError naming the problem for a bad batch, shape, id, position or value (one host sync)."""
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
             got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
             raise ValueError(f"positions must be a [batch, rows] tensor, got {got}")
         batch = positions.shape[0]
         if batch > self.max_batch_size:
             raise ValueError(f"batch of {batch} sequences exceeds the drafter's max_batch_size {self.max_batch_size}")
-        # type / device / shape / id checks first: reading position values needs a real integer tensor
-        self.model.check_inputs(input_ids, positions.masked_fill(positions < 0, self.cache.pad_position), hidden,
-                               self.cache)
-        last = int(positions.max())  # the one a cache check above cannot see: pad_position itself
-        if last >= self.max_length:
-            raise ValueError(f"position {last} is past the cache capacity (max_length {self.max_length})")
+        cache = self.cache.depths[0].k
+        if (cache.dtype, cache.device) != (self.model.dtype, self.model.device):
+            raise ValueError(f"the model is now {self.model.dtype} on {self.model.device}, but this Drafter was built "
+                             f"for it as {cache.dtype} on {cache.device}: build a new Drafter after moving the model")
+        self.model.check_inputs(input_ids, positions, hidden, self.cache, drafting=True)
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph shape for ``batch_sizes`` now; returns the seconds it took."""
+        batch_sizes = self.batch_buckets if batch_sizes is None else _bucket_sizes("batch_sizes", batch_sizes)
+        if batch_sizes and batch_sizes[-1] > self.max_batch_size:
+            raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
+        check_temperature(temperature)
         start = time.perf_counter()
-        for batch in batch_sizes or self.batch_buckets:
+        for batch in batch_sizes:
             for rows in self.graph_rows:
                 self._execute(self._shape(batch, rows, temperature > 0))
         if self.model.device.type == "cuda":

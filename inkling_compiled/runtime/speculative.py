@@ -46,9 +46,9 @@ never emitted. Top-p applies to the target distribution ``p`` only; ``q`` is wha
 (``softmax(draft_logits / T)``), which keeps the result lossless (a ``q`` that puts mass outside the top-p set only
 lowers acceptance).
 
-Host syncs: input validation (before any model call) and one ``.tolist()`` per round for the accept decision and
-stopping flags; the per-round statistics stay on the device until the end. (transformers' own mask construction
-adds its own checks inside the target forward.)
+Host syncs: input validation, once, before any model call (the drafter is then called with ``validate=False``),
+and one ``.tolist()`` per round for the accept decision and stopping flags; the per-round statistics stay on the
+device until the end. (transformers' own mask construction adds its own checks inside the target forward.)
 
 Plugging into ``generate(..., use_mtp=True)``
 --------------------------------------------
@@ -77,7 +77,8 @@ from transformers import DynamicCache
 
 from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
-from .drafter import check_temperature
+from ..model.mtp import InklingMTP
+from .drafter import check_generator, check_temperature
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
 
@@ -193,15 +194,16 @@ def _as_eos_list(eos_token_id) -> list[int]:
     return [int(v) for v in eos_token_id]
 
 
-def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p
+def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p, generator
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check everything before any model call; return (input_ids, attention_mask) as int64 tensors."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     check_temperature(temperature)
-    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point
+            or input_ids.dtype.is_complex or input_ids.dtype == torch.bool):
         raise ValueError("input_ids must be an integer tensor of shape [batch, prompt_len]")
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
@@ -209,9 +211,17 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     target_device = next(target.parameters()).device
     if input_ids.device != target_device:
         raise ValueError(f"input_ids are on {input_ids.device}, the target on {target_device}")
-    draft_device = getattr(getattr(drafter, "model", None), "device", target_device)
+    draft_model = getattr(drafter, "model", None)
+    draft_device = getattr(draft_model, "device", target_device)
     if draft_device != target_device:
         raise ValueError(f"the drafter's model is on {draft_device}, the target on {target_device}")
+    if isinstance(draft_model, InklingMTP):  # what the drafter would check on every call, checked once here
+        draft_model.check_parameters()
+        target_dtype = target.get_input_embeddings().weight.dtype
+        if draft_model.dtype != target_dtype:
+            raise ValueError(f"the drafter's model runs in {draft_model.dtype}, the target's hidden states are "
+                             f"{target_dtype}")
+    check_generator(generator, target_device)
     text = _text_config(target)
     # every id is embedded, padding included: one outside the table is an index error (on CUDA, a device assert)
     low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync for both
@@ -222,10 +232,10 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
         attention_mask = torch.ones_like(input_ids, dtype=torch.long)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
-    attention_mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
     mask_cpu = attention_mask.cpu()
-    if not bool(((mask_cpu == 0) | (mask_cpu == 1)).all()):
+    if not bool(((mask_cpu == 0) | (mask_cpu == 1)).all()):  # before the cast: 0.5 must not truncate to 0
         raise ValueError("attention_mask must contain only 0 and 1")
+    attention_mask, mask_cpu = attention_mask.to(device=input_ids.device, dtype=torch.long), mask_cpu.long()
     if bool((mask_cpu[:, 1:] < mask_cpu[:, :-1]).any()):
         raise ValueError("attention_mask must be left-padded (zeros, then ones, in every row)")
     real = mask_cpu.sum(dim=1)
@@ -242,10 +252,14 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
             f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} - 1 exceeds the drafter's max_length "
             f"{drafter.max_length}; build the Drafter with max_length >= {longest + max_new_tokens - 1}")
     logits_vocab = logits_vocab_size(text)
-    draft_config = getattr(getattr(drafter, "model", None), "config", None)
+    draft_config = getattr(draft_model, "config", None)
     draft_vocab = getattr(draft_config, "logits_vocab_size", None)
     if draft_vocab is not None and draft_vocab != logits_vocab:
         raise ValueError(f"drafter logits vocabulary {draft_vocab} != target logits vocabulary {logits_vocab}")
+    draft_table = getattr(draft_config, "vocab_size", None)
+    if draft_table is not None and draft_table < text.vocab_size:  # every id the target takes is embedded
+        raise ValueError(f"drafter embedding table has {draft_table} rows, fewer than the target's vocabulary "
+                         f"{text.vocab_size}")
     draft_hidden = getattr(draft_config, "hidden_size", None)
     if draft_hidden is not None and draft_hidden != text.hidden_size:
         raise ValueError(f"drafter hidden size {draft_hidden} != target hidden size {text.hidden_size}")
@@ -268,10 +282,14 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mas
     Raises ``ValueError`` on bad arguments before any model call.
     """
     input_ids, attention_mask = _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature,
-                                          top_p)
+                                          top_p, generator)
     eos = _as_eos_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
+    vocab = _text_config(target).vocab_size
+    if eos and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab):
+        raise ValueError(f"pad_token_id must be a token id in [0, {vocab}) (finished rows feed it to the target), "
+                         f"got {pad_token_id!r}")
     with torch.no_grad():
         return _run(target, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                     temperature=float(temperature), top_p=float(top_p), eos=eos, pad_token_id=int(pad_token_id),
@@ -309,10 +327,10 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     pad_left = length - attention_mask.sum(dim=1)  # [B]
     positions = torch.arange(length, device=device)[None, :] - pad_left[:, None]  # real-token positions, < 0 = pad
     draft_ids = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
-    result = drafter.draft(draft_ids, positions, hidden, temperature=draft_temperature, generator=generator)
-    # Decode rounds only pass rows this loop built (positions < max_length, batch checked up front): skip the
-    # drafter's own input validation there (it reads values, i.e. syncs).
-    round_kwargs = {"validate": False}
+    # Every drafter call passes rows this loop built from inputs validated up front (batch, ids, positions <
+    # max_length): the drafter skips its own validation, which would read them again (host syncs).
+    result = drafter.draft(draft_ids, positions, hidden, temperature=draft_temperature, generator=generator,
+                           validate=False)
     last = first  # x_F, the last committed token (not yet in the target cache)
     last_pos = positions[:, -1] + 1  # F per sequence
     mask = attention_mask
@@ -375,7 +393,7 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
         rows_ids = torch.stack([token0, bonus], dim=1)[:, :kept]
         rows_pos = last_pos[:, None] + torch.arange(kept, device=device)[None, :]
         result = drafter.draft(rows_ids, rows_pos, hidden[:, :kept], temperature=draft_temperature,
-                               generator=generator, **round_kwargs)
+                               generator=generator, validate=False)
         last = rows_ids[:, -1]
         last_pos = last_pos + kept
 

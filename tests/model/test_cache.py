@@ -109,3 +109,31 @@ def test_sliding_depth_reads_only_its_window():
     k = torch.zeros(1, 1, 2, 32)
     keys, _, key_pos = cache.depths[0].write_kv(k, k, torch.tensor([[21]]), window=8)
     assert keys.shape[1] == 8 and key_pos.tolist() == [list(range(14, 22))]
+
+
+def graph_nodes(t: torch.Tensor) -> int:
+    """Autograd nodes reachable from ``t`` (what a backward would walk, and what keeps saved tensors alive)."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return len(seen)
+
+
+def test_cached_forwards_without_no_grad_record_no_history():
+    """As the README uses it (no torch.no_grad(), Parameters that require grad, e.g. the target's shared ones): the
+    cache never records autograd history, so a step's graph does not grow with the steps before it."""
+    model = random_mtp().requires_grad_(True)
+    ids, pos, hidden = sequence(batch=1)
+    cache = model.new_cache(1, 32)
+    nodes = {0: set(), 1: set()}
+    for t in range(T):
+        for depth in (0, 1):
+            out = model(ids[:, t:t + 1], pos[:, t:t + 1], hidden[:, t:t + 1], cache=cache, depth=depth)
+            assert out.requires_grad  # the call itself is differentiable as usual
+            nodes[depth].add(graph_nodes(out))
+    assert len(nodes[0]) == len(nodes[1]) == 1, nodes  # the same graph size at every step
+    for d in cache.depths:
+        assert all(not t.requires_grad and t.grad_fn is None for t in d.tensors())

@@ -3,6 +3,8 @@ batch, depth or cache is refused with a ValueError that names the problem, befor
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -220,7 +222,8 @@ def test_position_past_cache_forward(model, inputs):
 def test_position_past_cache_drafter(drafter, inputs):
     ids, positions, hidden = inputs
     drafter.draft(ids, positions + MAX_LEN - T, hidden)
-    with pytest.raises(ValueError, match=rf"position {MAX_LEN} is past the cache capacity \(max_length {MAX_LEN}\)"):
+    with pytest.raises(ValueError, match=rf"position {MAX_LEN} is past the cache capacity: max_length is {MAX_LEN} "
+                                         rf"\(positions 0\.\.{MAX_LEN - 1}; negative positions mark padding rows\)"):
         drafter.draft(ids, positions + MAX_LEN - T + 1, hidden)
 
 
@@ -319,3 +322,143 @@ def test_refused_call_leaves_the_cache_untouched(model, drafter, inputs):
         drafter.draft(bad, positions, hidden)
     for c in (cache, drafter.cache):
         assert not any(t.any() for d in c.depths for t in d.tensors())
+
+
+# ------------------------------------------------------------------------------------------------ hostile arguments
+
+
+@BOTH
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_hidden_in_a_real_row(kind, model, drafter, inputs, value):
+    ids, positions, hidden = inputs
+    hidden = hidden.clone()
+    hidden[1, 2, 5] = value
+    with pytest.raises(ValueError, match=r"previous_hidden holds a NaN or inf at sequence 1, row 2 \(position 2\): "
+                                         r"the inputs of real rows must be finite"):
+        _run(kind, model, drafter, ids, positions, hidden)
+
+
+def test_non_finite_inputs_embeds_in_a_real_row(model, inputs):
+    _, positions, hidden = inputs
+    embeds = hidden.clone()
+    embeds[0, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"inputs_embeds holds a NaN or inf at sequence 0, row 1 \(position 1\)"):
+        model(None, positions, hidden, inputs_embeds=embeds)
+
+
+@BOTH
+def test_non_finite_hidden_in_padding_rows_is_accepted(kind, model, drafter, inputs):
+    ids, positions, hidden = inputs
+    positions, hidden = positions.clone(), hidden.clone()
+    positions[0, 0] = -1 if kind == "drafter" else MAX_LEN  # each entry point's padding convention
+    hidden[0, 0] = float("nan")
+    out = _run(kind, model, drafter, ids, positions, hidden)
+    assert torch.isfinite(out.hidden if kind == "drafter" else out[1]).all()
+
+
+@pytest.mark.parametrize("depth", [True, False, 1.0, torch.tensor(1), "0", None])
+def test_depth_must_be_an_int(model, inputs, depth):
+    with pytest.raises(ValueError, match=r"depth must be an int in \[0, 2\), got " + re.escape(repr(depth))):
+        model(*inputs, depth=depth)
+
+
+@BOTH
+def test_right_padded_and_gapped_positions(kind, model, drafter, inputs):
+    """Padding may sit anywhere, but a sequence's real rows must still be consecutive positions."""
+    ids, positions, hidden = inputs
+    pad = -1 if kind == "drafter" else MAX_LEN
+    _run(kind, model, drafter, ids, torch.tensor([[4, pad, 5], [2, 3, pad]]), hidden)
+    with pytest.raises(ValueError, match=r"sequence 0: positions \[4, 6\] are not consecutive"):
+        _run(kind, model, drafter, ids, torch.tensor([[4, pad, 6], [2, 3, pad]]), hidden)
+    with pytest.raises(ValueError, match=r"sequence 1: positions \[3, 2\] are not consecutive"):
+        _run(kind, model, drafter, ids, torch.tensor([[0, 1, 2], [pad, 3, 2]]), hidden)
+
+
+def test_a_sequence_without_real_rows_has_nothing_to_draft_from(model, drafter, inputs):
+    ids, positions, hidden = inputs
+    positions = positions.clone()
+    positions[1] = -1
+    with pytest.raises(ValueError, match=r"sequence 1 has no real row \(all its positions are negative\): nothing "
+                                         r"to draft from"):
+        drafter.draft(ids, positions, hidden)
+    positions[1] = MAX_LEN  # the forward's padding convention: an all-padding sequence is fine there
+    model(ids, positions, hidden, cache=model.new_cache(B, MAX_LEN))
+
+
+def test_cache_must_be_an_mtp_cache(model, inputs):
+    with pytest.raises(ValueError, match=r"cache must be an MTPCache \(from new_cache\), got dict"):
+        model(*inputs, cache={})
+
+
+def test_cache_of_another_geometry(model, inputs):
+    from tests.helpers import tiny_text_config
+
+    other = random_mtp(tiny_text_config(head_dim=8)).new_cache(B, MAX_LEN)
+    with pytest.raises(ValueError, match=r"cache depth 1 holds \(kv heads, head dim, hidden\) \(2, 8, 64\), the "
+                                         r"model's depth 1 needs \(2, 16, 64\): the cache was built for another model"):
+        model(*inputs, cache=other)
+
+
+@pytest.mark.parametrize("field", ["batch_size", "max_length"])
+@pytest.mark.parametrize("value", [0, -2, True, 2.0, "4", None])
+def test_cache_sizes_must_be_positive_ints(model, field, value):
+    sizes = dict(batch_size=B, max_length=MAX_LEN)
+    sizes[field] = value
+    with pytest.raises(ValueError, match=rf"{field} must be an int >= 1, got " + re.escape(repr(value))):
+        model.new_cache(**sizes)
+
+
+def test_cache_sizes_accept_integer_like_values(model):
+    import numpy as np
+
+    cache = model.new_cache(np.int64(2), torch.tensor(8))
+    assert (cache.batch_size, cache.max_length) == (2, 8) and type(cache.max_length) is int
+
+
+@pytest.mark.parametrize("temperature", [True, "0.5", None, torch.tensor(0.5)])
+def test_drafter_temperature_must_be_a_number(drafter, inputs, temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        drafter.draft(*inputs, temperature=temperature)
+
+
+@pytest.mark.parametrize("generator", [0, "cpu", torch.device("cpu")])
+def test_drafter_generator_must_be_a_generator(drafter, inputs, generator):
+    with pytest.raises(ValueError, match=r"generator must be a torch\.Generator \(or None\), got"):
+        drafter.draft(*inputs, temperature=0.5, generator=generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_drafter_generator_on_another_device():
+    model = random_mtp().cuda()
+    drafter = Drafter(model, max_batch_size=1, max_length=MAX_LEN, compile=False)
+    ids, positions = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.zeros(1, 1, dtype=torch.long,
+                                                                                     device="cuda")
+    with pytest.raises(ValueError, match=r"generator is on cpu, the model on cuda:0"):
+        drafter.draft(ids, positions, torch.zeros(1, 1, 64, device="cuda"), temperature=0.5,
+                      generator=torch.Generator())
+
+
+def test_a_drafter_whose_model_moved_after_construction(inputs):
+    model = random_mtp()
+    drafter = Drafter(model, max_batch_size=B, max_length=MAX_LEN, compile=False)
+    model.to(torch.bfloat16)
+    ids, positions, hidden = inputs
+    with pytest.raises(ValueError, match=r"the model is now torch\.bfloat16 on cpu, but this Drafter was built for "
+                                         r"it as torch\.float32 on cpu: build a new Drafter after moving the model"):
+        drafter.draft(ids, positions, hidden.bfloat16())
+
+
+@pytest.mark.parametrize("layout", ["expanded", "transposed"])
+def test_non_contiguous_and_expanded_inputs(model, drafter, inputs, layout):
+    ids, positions, hidden = inputs
+    if layout == "expanded":  # one sequence broadcast over the batch (stride 0)
+        ids, positions, hidden = ids[:1].expand(B, T), positions[:1].expand(B, T), hidden[:1].expand(B, T, 64)
+    else:
+        ids, hidden = ids.t().contiguous().t(), hidden.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not hidden.is_contiguous()
+    cache = model.new_cache(B, MAX_LEN)
+    got = model(ids, positions, hidden, cache=cache)
+    assert torch.equal(got, model(ids.contiguous(), positions.contiguous(), hidden.contiguous(),
+                                  cache=model.new_cache(B, MAX_LEN)))
+    assert torch.equal(drafter.draft(ids, positions, hidden).tokens, model.get_top_tokens(got[:, -1]))

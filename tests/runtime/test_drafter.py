@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from inkling_compiled import InklingMTP
 from inkling_compiled.runtime import Drafter
 from tests.helpers import random_mtp
 
@@ -89,6 +90,122 @@ def test_batch_sizes_share_a_bucket_and_large_batches_fall_back():
         ids, positions, hidden = stream(batch, PROMPT)
         result = drafter.draft(ids, positions, hidden)
         assert torch.equal(result.tokens, model.get_top_tokens(model(ids, positions, hidden))[:, -1])
+
+
+def rows_at(ids, hidden, layout):
+    """The call whose row t of sequence b is that sequence's stream row at ``layout[b][t]`` (-1: a padding row)."""
+    positions = torch.tensor(layout)
+    index, seq = positions.clamp(min=0), torch.arange(positions.shape[0])[:, None]
+    return ids[seq, index], positions, hidden[seq, index]
+
+
+# one prefill, then ragged two-row windows: right padding, left padding, padding between real rows, no padding
+PADDED_CALLS = [
+    [list(range(11)), list(range(7)) + [-1] * 4, [-1, -1] + list(range(9))],
+    [[11, 12], [7, -1], [-1, 9]],
+    [[13, -1], [8, 9], [10, 11]],
+    [[14, 15], [-1, 10], [12, -1]],
+]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@torch.no_grad()
+def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
+    """Right-, left- and mixed-padded sequences in one call: each one's draft and hidden equal those of its own
+    unpadded calls (the draft comes from the row at its largest position, not from the last column)."""
+    model = random_mtp()
+    ids, _, hidden = stream(3, 16)
+    drafter = Drafter(model, max_batch_size=3, max_length=64, compile=compile, batch_buckets=(3,))
+    alone = [Drafter(model, max_batch_size=1, max_length=64, compile=False) for _ in range(3)]
+    for layout in PADDED_CALLS:
+        result = drafter.draft(*rows_at(ids, hidden, layout))
+        for b, rows in enumerate(layout):
+            real = [p for p in rows if p >= 0]
+            want = alone[b].draft(ids[b:b + 1, real], torch.tensor([real]), hidden[b:b + 1, real])
+            assert int(result.tokens[b]) == int(want.tokens[0]), (layout, b)
+            torch.testing.assert_close(result.hidden[b], want.hidden[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_batch_size=0), "max_batch_size must be an int >= 1, got 0"),
+    (dict(max_batch_size=-3), "max_batch_size must be an int >= 1, got -3"),
+    (dict(max_batch_size=True), "max_batch_size must be an int >= 1, got True"),
+    (dict(max_batch_size=2.0), "max_batch_size must be an int >= 1, got 2.0"),
+    (dict(max_length=0), "max_length must be an int >= 1, got 0"),
+    (dict(max_length=64.5), "max_length must be an int >= 1, got 64.5"),
+    (dict(batch_buckets=(0, 2)), "each of batch_buckets must be an int >= 1, got 0"),
+    (dict(batch_buckets=(1, 2.5)), "each of batch_buckets must be an int >= 1, got 2.5"),
+    (dict(batch_buckets=()), "batch_buckets must name at least one batch size"),
+    (dict(batch_buckets=4), "batch_buckets must be a tuple of ints >= 1, got 4"),
+    (dict(batch_buckets="12"), "batch_buckets must be a tuple of ints >= 1, got '12'"),
+    (dict(graph_rows=(0, 1)), "each of graph_rows must be an int >= 1, got 0"),
+    (dict(graph_rows=(True,)), "each of graph_rows must be an int >= 1, got True"),
+    (dict(compile_options="max-autotune"), "compile_options must be a dict of torch.compile arguments"),
+    (dict(compile_options={"bogus": 1}), r"compile_options \['bogus'\] are not torch.compile arguments"),
+    (dict(compile_options={"options": 3}), r"compile_options\['options'\] must be a dict of Inductor options"),
+    (dict(compile="yes"), "compile must be a bool and cuda_graphs a bool or None, got 'yes', None"),
+    (dict(cuda_graphs=1), "compile must be a bool and cuda_graphs a bool or None, got True, 1"),
+])
+def test_drafter_arguments_are_checked(kwargs, match):
+    args = {"max_batch_size": 2, "max_length": 64, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        Drafter(random_mtp(), **args)
+
+
+def test_drafter_model_must_be_an_inkling_mtp():
+    with pytest.raises(ValueError, match="model must be an InklingMTP, got Linear"):
+        Drafter(torch.nn.Linear(2, 2), 1, 8)
+
+
+def test_drafter_buckets_are_deduplicated_and_caller_compile_options_win():
+    drafter = Drafter(random_mtp(), max_batch_size=6, max_length=64, batch_buckets=(4, 1, 4, 2, 2, 16),
+                      graph_rows=(2, 1, 2), compile_options={"dynamic": None, "fullgraph": False})
+    assert drafter.batch_buckets == (1, 2, 4, 6) and drafter.graph_rows == (1, 2) and drafter.graph_batch_limit == 16
+    assert not drafter.uses_graph(1, 1)  # no CUDA here
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(batch_sizes=(0,)), "each of batch_sizes must be an int >= 1, got 0"),
+    (dict(batch_sizes=(1, 3)), "batch size 3 exceeds the drafter's max_batch_size 2"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+])
+def test_capture_arguments_are_checked(kwargs, match):
+    drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False)
+    with pytest.raises(ValueError, match=match):
+        drafter.capture(**kwargs)
+    assert not drafter._shapes  # refused before anything ran
+
+
+def test_draft_inputs_that_require_grad_leave_no_history():
+    """A hidden straight from a target forward run with grad enabled: the static buffers stay inference state."""
+    model = random_mtp()
+    drafter = Drafter(model, max_batch_size=1, max_length=64, compile=False)
+    ids, positions, hidden = stream(1, PROMPT)
+    result = drafter.draft(ids, positions, hidden.requires_grad_() * 1.0)
+    for shape in drafter._shapes.values():
+        assert all(not t.requires_grad and t.grad_fn is None for t in shape.args())
+    assert not result.hidden.requires_grad
+    with torch.no_grad():
+        assert torch.equal(result.tokens, model.get_top_tokens(model(ids, positions, hidden)[:, -1]))
+
+
+@torch.no_grad()
+def test_an_eager_drafter_with_validate_false_checks_nothing(monkeypatch):
+    """validate=False is the whole switch: the eager step calls the model's unvalidated path (no host syncs)."""
+    model = random_mtp()
+    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False)
+    ids, positions, hidden = stream(2, PROMPT + 1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("validated although validate=False")
+
+    for name in ("check_inputs", "check_parameters"):
+        monkeypatch.setattr(InklingMTP, name, refuse)
+    monkeypatch.setattr(Drafter, "check", refuse)
+    drafter.draft(ids[:, :PROMPT], positions[:, :PROMPT], hidden[:, :PROMPT], validate=False)
+    result = drafter.draft(ids[:, PROMPT:], positions[:, PROMPT:], hidden[:, PROMPT:], validate=False)
+    full = model.forward_unchecked(ids, positions, hidden)
+    assert torch.equal(result.tokens, model.get_top_tokens(full[:, -1]))
 
 
 def test_cuda_graph_options_are_checked():

@@ -393,6 +393,13 @@ class ExplodingDrafter(StandInDrafter):
     (dict(token=-1), r"token id -1, outside the target's vocabulary \[0, 128\)"),
     (dict(token=128), r"token id 128, outside the target's vocabulary \[0, 128\)"),
     (dict(device="meta"), "input_ids are on meta, the target on cpu"),
+    (dict(temperature=True), "temperature must be"),
+    (dict(generator=7), r"generator must be a torch\.Generator \(or None\), got int"),
+    (dict(top_p=True), "top_p must be in"),
+    (dict(bool_ids=True), r"input_ids must be an integer tensor"),
+    (dict(mask_value=0.5), "attention_mask must contain only 0 and 1"),
+    (dict(eos=3, pad=-1), r"pad_token_id must be a token id in \[0, 128\) \(finished rows feed it to the target\)"),
+    (dict(eos=3, pad=128), r"pad_token_id must be a token id in \[0, 128\)"),
 ])
 def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, match):
     def boom(*args, **kwargs):
@@ -407,20 +414,47 @@ def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, mat
     ids = ids.to(case.get("device", "cpu"))
     if case.get("right_padded"):
         mask[:, -1] = 0
+    if "mask_value" in case:
+        mask = mask.float()
+        mask[0, 0] = case["mask_value"]
+    if case.get("bool_ids"):
+        ids = ids > 50
     drafter = ExplodingDrafter(120, max_batch_size=2, max_length=12)
     with pytest.raises(ValueError, match=match):
         speculative_generate(target, drafter, ids, mask, max_new_tokens=case.get("max_new_tokens", 3),
-                             temperature=case.get("temperature", 0.0), top_p=case.get("top_p", 1.0))
+                             temperature=case.get("temperature", 0.0), top_p=case.get("top_p", 1.0),
+                             generator=case.get("generator"), eos_token_id=case.get("eos"),
+                             pad_token_id=case.get("pad"))
 
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(vocab_size=256, unpadded_vocab_size=250), "drafter logits vocabulary 250 != target logits vocabulary 120"),
     (dict(vocab_size=128, unpadded_vocab_size=120, hidden_size=32), "drafter hidden size 32 != target hidden size 64"),
+    (dict(vocab_size=124, unpadded_vocab_size=120),
+     "drafter embedding table has 124 rows, fewer than the target's vocabulary 128"),
+    (dict(vocab_size=128, unpadded_vocab_size=120, dtype=torch.bfloat16),
+     r"the drafter's model runs in torch\.bfloat16, the target's hidden states are torch\.float32"),
 ])
 def test_a_drafter_built_for_another_model_is_rejected(target, overrides, match):
-    drafter = Drafter(random_mtp(tiny_text_config(**overrides)), max_batch_size=1, max_length=16, compile=False)
+    dtype = overrides.pop("dtype", torch.float32)
+    drafter = Drafter(random_mtp(tiny_text_config(**overrides), dtype=dtype), max_batch_size=1, max_length=16,
+                      compile=False)
     with pytest.raises(ValueError, match=match):
         speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
+
+
+def test_validated_once_up_front_then_the_drafter_checks_nothing(target, monkeypatch):
+    """The loop validates its inputs before any model call; every drafter call (prefill too) skips validation."""
+    drafter = Drafter(random_mtp(tiny_text_config(vocab_size=128, unpadded_vocab_size=120)), max_batch_size=2,
+                      max_length=32, compile=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the drafter validated again")
+
+    monkeypatch.setattr(Drafter, "check", refuse)
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [10, 11]])
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=6)
+    assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6))
 
 
 # ------------------------------------------------------------------------- real drafter, synthetic checkpoint, CLI
