@@ -12,12 +12,14 @@ import os
 import torch
 from torch import nn
 
-from ..checkpoint import RawCheckpoint, save_checkpoint
+from ..checkpoint import CheckpointError, RawCheckpoint, save_checkpoint
 from ..config import DepthGeometry, MTPConfig
+from . import int8
 from .block import DecoderBlock
 from .cache import DepthCache, MTPCache
 from .draft_input import backbone_embedding, draft_input
 from .head import mup_logits
+from .int8 import Int8Linear, Quantization
 from .norm import RMSNorm
 
 
@@ -52,6 +54,9 @@ class InklingMTP(nn.Module):
         self.embed_weight = nn.Parameter(torch.zeros(v, h))
         self.embed_norm_weight = nn.Parameter(torch.ones(h)) if config.use_embed_norm else None
         self.lm_head_weight = nn.Parameter(torch.zeros(v, h))
+        # Set by quantize_(): a draft-only int8 copy of the head's first logits_vocab_size rows, 1/muP in its scales.
+        self.quantized_head: Int8Linear | None = None
+        self.quantization: Quantization | None = None
 
     # -- public API (design §2) ------------------------------------------------------------------------------------
 
@@ -59,15 +64,22 @@ class InklingMTP(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None, target: nn.Module | None = None,
                         num_depths: int | None = None, mtp_log_scaling: bool = False,
-                        progress: bool | None = None) -> InklingMTP:
+                        progress: bool | None = None, quantize: str | None = None,
+                        quantize_head: bool = True) -> InklingMTP:
         """Load from a raw Inkling checkpoint directory (eval mode, no autograd on its own weights).
 
         ``dtype`` defaults to the stored MTP dtype (or the target's), ``device`` to CPU (or the target's). ``target``
         (a transformers ``InklingForCausalLM`` / ``InklingForConditionalGeneration``) lends its embedding table,
         embed_norm and LM head as the very same Parameters. ``num_depths`` loads only the first depths (vLLM loads
         min(depths, speculative tokens)). Every mismatch between config and files is reported at once; see
-        :class:`inkling_compiled.checkpoint.RawCheckpoint`.
+        :class:`inkling_compiled.checkpoint.RawCheckpoint`. ``quantize="int8"`` quantizes the loaded model with
+        :meth:`quantize_` (``head=quantize_head``); ``dtype`` then defaults to bfloat16 (without a target).
         """
+        if quantize is not None:
+            int8.check_scheme(quantize)
+            _check_bool("quantize_head", quantize_head)
+            if dtype is None and target is None:
+                dtype = int8.ACTIVATION_DTYPE
         checkpoint = RawCheckpoint.open(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
         with torch.device("meta"):
             model = cls(checkpoint.config)
@@ -77,10 +89,44 @@ class InklingMTP(nn.Module):
         for name, param in lent.items():  # load_state_dict(assign=True) gives a Parameter our requires_grad: keep
             getattr(model, name).requires_grad_(param.requires_grad)  # the target's own
         model.load_state_dict({**own, **lent}, strict=True, assign=True)
+        if quantize is not None:
+            model.quantize_(quantize, head=quantize_head)
         return model.eval()
+
+    def quantize_(self, scheme: str = "int8", *, head: bool = True) -> InklingMTP:
+        """Int8 weight-only depth linears and, with ``head``, a draft-only int8 copy of the LM head; in place.
+
+        The shared LM head Parameter (the target's) is never modified: the copy holds its first logits_vocab_size
+        rows with 1/muP folded into the scales, and costs ``quantization.head_copy_bytes`` beside it. Norms, short
+        convs, relative-bias tables, the embedding and the activations (bfloat16) stay as they are. Deterministic,
+        and not saved: ``from_pretrained(..., quantize="int8")`` quantizes again on load (docs/compile.md §11).
+        """
+        int8.check_scheme(scheme)
+        _check_bool("head", head)
+        if self.quantization is not None:
+            raise ValueError(f"this model is already quantized ({self.quantization.scheme}, "
+                             f"head={self.quantization.head})")
+        int8.check_runs_int8(self.device, self.dtype)
+        before = after = 0
+        for depth in self.layers:
+            for name, linear in [(n, m) for n, m in depth.named_modules() if isinstance(m, nn.Linear)]:
+                parent, _, attr = name.rpartition(".")
+                quantized = Int8Linear.quantize(linear.weight)
+                setattr(depth.get_submodule(parent), attr, quantized)
+                before, after = before + linear.weight.nbytes, after + quantized.nbytes
+        if head:
+            rows = self.lm_head_weight[: self.config.logits_vocab_size]
+            self.quantized_head = Int8Linear.quantize(rows, 1.0 / self.config.mup)
+        self.quantization = Quantization(scheme, head, before, after,
+                                         self.quantized_head.nbytes if self.quantized_head is not None else 0)
+        return self
 
     def save_pretrained(self, path: str | os.PathLike, *, include_shared: bool = True) -> None:
         """Write the raw layout back, atomically; see :func:`inkling_compiled.checkpoint.save_checkpoint`."""
+        if self.quantization is not None:
+            raise CheckpointError("cannot save a quantized model: the raw Inkling layout holds no int8 tensors, and "
+                                  "its int8 weights are a lossy copy; save the model before quantize_(), and load "
+                                  "with from_pretrained(..., quantize='int8'), which quantizes again")
         save_checkpoint(path, self.config, dict(self.named_parameters(remove_duplicate=False)),
                         include_shared=include_shared)
 
@@ -112,6 +158,8 @@ class InklingMTP(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(hidden / mup) @ lm_head.T`` truncated to the unpadded vocab: [..., logits_vocab_size]."""
+        if self.quantized_head is not None:  # its rows are the unpadded vocab, its scales carry 1/mup
+            return self.quantized_head(hidden)
         return mup_logits(hidden, self.lm_head_weight, self.config.mup, self.config.logits_vocab_size)
 
     def get_top_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -133,6 +181,8 @@ class InklingMTP(nn.Module):
                      inputs_embeds: torch.Tensor | None = None) -> None:
         """Raise ValueError naming the problem for any bad shape, dtype, device, id or position (reads values: syncs)."""
         h, n = self.config.hidden_size, self.config.num_depths
+        if self.quantization is not None:  # e.g. converted with .to(torch.float32) after quantizing
+            int8.check_runs_int8(self.device, self.dtype)
         if not 0 <= depth < n:
             raise ValueError(f"depth {depth} out of range: this model has {n} MTP depth(s)")
         if (input_ids is None) == (inputs_embeds is None):
@@ -175,6 +225,11 @@ class InklingMTP(nn.Module):
             if cache.depths[0].k.device != self.device or cache.depths[0].k.dtype != self.dtype:
                 raise ValueError(f"cache is {cache.depths[0].k.dtype} on {cache.depths[0].k.device}, "
                                  f"the model {self.dtype} on {self.device}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def _check_tensor(name: str, t, *, ndim: int, device: torch.device, integer: bool = False,
