@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.int8 import fast_inductor_options
 from ..model.mtp import InklingMTP
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -84,8 +85,14 @@ class Drafter:
             raise ValueError("cuda_graphs=True needs compile=True")
         self.cuda_graphs = on_cuda and compile if cuda_graphs is None else cuda_graphs
         options = dict(fullgraph=True, dynamic=False, **(compile_options or {}))
+        # A quantized model's int8 kernels need Inductor options (docs/compile.md §11): ours to override.
+        inductor = {**fast_inductor_options(model), **options.get("options", {})}
         if not on_cuda:  # a C++ wrapper around the CPU kernels: ~30 us less per call than the Python wrapper
-            options["options"] = {"cpp_wrapper": True, **CPU_CODEGEN_WORKAROUNDS, **options.get("options", {})}
+            inductor = {"cpp_wrapper": True, **CPU_CODEGEN_WORKAROUNDS, **inductor}
+        if inductor:
+            options["options"] = inductor
+        # Inductor freezes only what Dynamo traced as constants: prepare_freezing, around our own compiles only.
+        self._freezing = bool(inductor.get("freezing"))
         self._greedy = torch.compile(self._greedy_step, **options) if compile else self._greedy_step
         self._sampled = torch.compile(self._sampled_step, **options) if compile else self._sampled_step
         self._shapes: dict[tuple[int, int, bool], _Shape] = {}
@@ -192,7 +199,8 @@ class Drafter:
         if shape.compiled:  # the hot path: no config patching, which costs more than a tiny step
             with torch.no_grad():
                 return step(*shape.args())
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        dynamo_config = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, prepare_freezing=self._freezing)
+        with torch.no_grad(), dynamo_config:
             outputs = step(*shape.args())
             if self.uses_graph(shape.batch, shape.rows):
                 outputs = self._capture(shape, step)
