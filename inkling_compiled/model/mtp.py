@@ -13,12 +13,14 @@ import weakref
 import torch
 from torch import nn
 
-from ..checkpoint import SHARED_KEYS, RawCheckpoint, save_checkpoint
+from ..checkpoint import SHARED_KEYS, CheckpointError, RawCheckpoint, save_checkpoint
 from ..config import DepthGeometry, MTPConfig
+from . import int8
 from .block import DecoderBlock
 from .cache import DepthCache, MTPCache
 from .depth_input import concat_normed, normed_embedding
 from .head import mup_logits
+from .int8 import Int8Linear, Quantization
 from .norm import RMSNorm
 
 
@@ -59,6 +61,9 @@ class InklingMTP(nn.Module):
         # every module's own Parameter dict (entries are replaced by loading, the dicts are not): reading dtypes
         # through them costs a fifth of named_parameters(), on every validated call
         self._parameter_dicts = tuple(m._parameters for m in self.modules())
+        # Set by quantize_(): a draft-only int8 copy of the head's first logits_vocab_size rows, 1/muP in its scales.
+        self.quantized_head: Int8Linear | None = None
+        self.quantization: Quantization | None = None
 
     # -- public API (design §2) ------------------------------------------------------------------------------------
 
@@ -66,15 +71,22 @@ class InklingMTP(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None, target: nn.Module | None = None,
                         num_depths: int | None = None, mtp_log_scaling: bool = False,
-                        progress: bool | None = None) -> InklingMTP:
+                        progress: bool | None = None, quantize: str | None = None,
+                        quantize_head: bool = True) -> InklingMTP:
         """Load from a raw Inkling checkpoint directory (eval mode, no autograd on its own weights).
 
         ``dtype`` defaults to the stored MTP dtype (or the target's), ``device`` to CPU (or the target's). ``target``
         (a transformers ``InklingForCausalLM`` / ``InklingForConditionalGeneration``) lends its embedding table,
         embed_norm and LM head as the very same Parameters. ``num_depths`` loads only the first depths (vLLM loads
         min(depths, speculative tokens)). Every mismatch between config and files is reported at once; see
-        :class:`inkling_compiled.checkpoint.RawCheckpoint`.
+        :class:`inkling_compiled.checkpoint.RawCheckpoint`. ``quantize="int8"`` quantizes the loaded model with
+        :meth:`quantize_` (``head=quantize_head``); ``dtype`` then defaults to bfloat16 (without a target).
         """
+        if quantize is not None:
+            int8.check_scheme(quantize)
+            _check_bool("quantize_head", quantize_head)
+            if dtype is None and target is None:
+                dtype = int8.ACTIVATION_DTYPE
         checkpoint = RawCheckpoint.open(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
         with torch.device("meta"):
             model = cls(checkpoint.config)
@@ -86,10 +98,44 @@ class InklingMTP(nn.Module):
         model.load_state_dict({**own, **lent}, strict=True, assign=True)
         if target is not None:
             model.shares_tensors_of(target)
+        if quantize is not None:
+            model.quantize_(quantize, head=quantize_head)
         return model.eval()
+
+    def quantize_(self, scheme: str = "int8", *, head: bool = True) -> InklingMTP:
+        """Int8 weight-only depth linears and, with ``head``, a draft-only int8 copy of the LM head; in place.
+
+        The shared LM head Parameter (the target's) is never modified: the copy holds its first logits_vocab_size
+        rows with 1/muP folded into the scales, and costs ``quantization.head_copy_bytes`` beside it. Norms, short
+        convs, relative-bias tables, the embedding and the activations (bfloat16) stay as they are. Deterministic,
+        and not saved: ``from_pretrained(..., quantize="int8")`` quantizes again on load (docs/compile.md §11).
+        """
+        int8.check_scheme(scheme)
+        _check_bool("head", head)
+        if self.quantization is not None:
+            raise ValueError(f"this model is already quantized ({self.quantization.scheme}, "
+                             f"head={self.quantization.head})")
+        int8.check_runs_int8(self.device, self.dtype)
+        before = after = 0
+        for depth in self.layers:
+            for name, linear in [(n, m) for n, m in depth.named_modules() if isinstance(m, nn.Linear)]:
+                parent, _, attr = name.rpartition(".")
+                quantized = Int8Linear.quantize(linear.weight)
+                setattr(depth.get_submodule(parent), attr, quantized)
+                before, after = before + linear.weight.nbytes, after + quantized.nbytes
+        if head:
+            rows = self.lm_head_weight[: self.config.logits_vocab_size]
+            self.quantized_head = Int8Linear.quantize(rows, 1.0 / self.config.mup)
+        self.quantization = Quantization(scheme, head, before, after,
+                                         self.quantized_head.nbytes if self.quantized_head is not None else 0)
+        return self
 
     def save_pretrained(self, path: str | os.PathLike, *, include_shared: bool = True) -> None:
         """Write the raw layout back, atomically; see :func:`inkling_compiled.checkpoint.save_checkpoint`."""
+        if self.quantization is not None:
+            raise CheckpointError("cannot save a quantized model: the raw Inkling layout holds no int8 tensors, and "
+                                  "its int8 weights are a lossy copy; save the model before quantize_(), and load "
+                                  "with from_pretrained(..., quantize='int8'), which quantizes again")
         save_checkpoint(path, self.config, dict(self.named_parameters(remove_duplicate=False)),
                         include_shared=include_shared)
 
@@ -130,6 +176,8 @@ class InklingMTP(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(hidden / mup) @ lm_head.T`` truncated to the unpadded vocab: [..., logits_vocab_size]."""
+        if self.quantized_head is not None:  # its rows are the unpadded vocab, its scales carry 1/mup
+            return self.quantized_head(hidden)
         return mup_logits(hidden, self.lm_head_weight, self.config.mup, self.config.logits_vocab_size)
 
     def get_top_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -214,6 +262,8 @@ class InklingMTP(nn.Module):
         ``drafting`` applies the Drafter's conventions instead: negative positions mark padding, and every sequence
         needs a real row (its draft is read off its last one). Reading the values costs one host sync.
         """
+        if self.quantization is not None:  # e.g. converted with .to(torch.float32) after quantizing
+            int8.check_runs_int8(self.device, self.dtype)
         self.check_parameters()
         h, n = self.config.hidden_size, self.config.num_depths
         if isinstance(depth, bool) or not isinstance(depth, int):
@@ -308,6 +358,11 @@ class InklingMTP(nn.Module):
 
 def _some(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def _check_tensor(name: str, t, *, ndim: int, device: torch.device, integer: bool = False,

@@ -57,8 +57,22 @@ def _bucket_sizes(name: str, values) -> tuple[int, ...]:
     return tuple(sorted({positive_int(f"each of {name}", v) for v in values}))
 
 
-def _compile_options(compile_options, on_cuda: bool) -> dict:
-    """torch.compile's keyword arguments for the step: ours (fullgraph, static shapes), then the caller's."""
+# Inductor options a quantized model's int8 kernels need, per device (docs/compile.md §11): passed to the drafter's
+# own torch.compile only, never set globally.
+FAST_INDUCTOR_OPTIONS = {
+    "cpu": {"freezing": True, "max_autotune": True},  # the C++ weight-only GEMM template packs frozen weights
+    "cuda": {"coordinate_descent_tuning": True},  # M == 1 GEMMs become reductions that read the int8 weight
+}
+
+
+def fast_inductor_options(model) -> dict:
+    """The Inductor options a quantized ``InklingMTP`` compiles with on its device; {} for an unquantized one."""
+    return dict(FAST_INDUCTOR_OPTIONS.get(model.device.type, {})) if model.quantization is not None else {}
+
+
+def _compile_options(compile_options, on_cuda: bool, model_options: dict) -> dict:
+    """torch.compile's keyword arguments for the step: ours (fullgraph, static shapes; the Inductor options the
+    model's kernels need, e.g. a quantized model's int8 fast path, docs/compile.md §11), then the caller's."""
     if compile_options is None:
         compile_options = {}
     if not isinstance(compile_options, dict):
@@ -71,6 +85,7 @@ def _compile_options(compile_options, on_cuda: bool) -> dict:
     inductor = options.get("options") or {}
     if not isinstance(inductor, dict):
         raise ValueError(f"compile_options['options'] must be a dict of Inductor options, got {inductor!r}")
+    inductor = {**model_options, **inductor}
     if not on_cuda:  # a C++ wrapper around the CPU kernels: ~30 us less per call than the Python wrapper
         inductor = {"cpp_wrapper": True, **CPU_CODEGEN_WORKAROUNDS, **inductor}
     if inductor:
@@ -137,7 +152,9 @@ class Drafter:
         if cuda_graphs and not compile:  # the eager step is not captured
             raise ValueError("cuda_graphs=True needs compile=True")
         self.cuda_graphs = on_cuda and compile if cuda_graphs is None else cuda_graphs
-        options = _compile_options(compile_options, on_cuda)
+        options = _compile_options(compile_options, on_cuda, fast_inductor_options(model))
+        # Inductor freezes only what Dynamo traced as constants: prepare_freezing, around our own compiles only.
+        self._freezing = bool(options.get("options", {}).get("freezing"))
         self._greedy = torch.compile(self._greedy_step, **options) if compile else self._greedy_step
         self._sampled = torch.compile(self._sampled_step, **options) if compile else self._sampled_step
         self._shapes: dict[tuple[int, int, bool], _Shape] = {}
@@ -258,7 +275,8 @@ class Drafter:
         if shape.compiled:  # the hot path: no config patching, which costs more than a tiny step
             with torch.no_grad():
                 return step(*shape.args())
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        dynamo_config = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, prepare_freezing=self._freezing)
+        with torch.no_grad(), dynamo_config:
             outputs = step(*shape.args())
             if self.uses_graph(shape.batch, shape.rows):
                 outputs = self._capture(shape, step)

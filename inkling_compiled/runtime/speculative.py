@@ -115,12 +115,13 @@ def _text_config(target):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _target_step(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, *, last_only: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _target_step(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, *, last_only: bool,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over ``input_ids`` [B, T] continuing ``cache``.
 
-    Returns (post-final-norm hidden [B, T, H], float32 logits [B, T or 1, V]); the logits are computed with exactly
-    the operations of the target's own forward (hidden / muP -> lm_head -> drop the padded vocabulary rows).
+    Returns (post-final-norm hidden [B, T, H], in ``dtype`` when given, float32 logits [B, T or 1, V]); the logits
+    are computed with exactly the operations of the target's own forward (hidden / muP -> lm_head -> drop the padded
+    vocabulary rows), from the hidden in the target's own dtype.
     """
     model = target.model
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{cache_argument(model): cache})
@@ -133,7 +134,7 @@ def _target_step(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     unpadded = text.unpadded_vocab_size
     if unpadded is not None and unpadded < logits.shape[-1]:
         logits = logits[..., :unpadded]
-    return hidden, logits.float()
+    return (hidden if dtype is None else hidden.to(dtype)), logits.float()
 
 
 def target_distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -217,10 +218,6 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
         raise ValueError(f"the drafter's model is on {draft_device}, the target on {target_device}")
     if isinstance(draft_model, InklingMTP):  # what the drafter would check on every call, checked once here
         draft_model.check_parameters()
-        target_dtype = target.get_input_embeddings().weight.dtype
-        if draft_model.dtype != target_dtype:
-            raise ValueError(f"the drafter's model runs in {draft_model.dtype}, the target's hidden states are "
-                             f"{target_dtype}")
     check_generator(generator, target_device)
     text = _text_config(target)
     # every id is embedded, padding included: one outside the table is an index error (on CUDA, a device assert)
@@ -304,6 +301,9 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     draft_temperature = 0.0 if greedy else temperature
     eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
     pad = torch.full((batch,), pad_token_id, dtype=torch.long, device=device)
+    # A drafter may run in another dtype than the target (a bf16 / int8 draft head beside an fp32 target, holding its
+    # own copy of the shared tensors): it gets the target's hiddens in its own dtype.
+    draft_dtype = getattr(getattr(drafter, "model", None), "dtype", None)
 
     def choose(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
         return logits.argmax(-1) if greedy else _sample(target_distribution(logits, temperature, top_p), generator)
@@ -315,7 +315,7 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
 
     # -- prefill ------------------------------------------------------------------------------------------------
     cache = DynamicCache(config=target.config)
-    hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True)
+    hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True, dtype=draft_dtype)
     first = choose(logits[:, -1])
     finished = is_eos(first)
     emitted = [first]
@@ -344,7 +344,7 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
         # Finished rows verify pad tokens, so their cache holds exactly what their output shows.
         verify_ids = torch.stack([last, torch.where(finished, pad, draft)], dim=1)
         mask = torch.cat([mask, mask.new_ones(batch, 2)], dim=1)
-        hidden, logits = _target_step(target, verify_ids, mask, cache, last_only=False)
+        hidden, logits = _target_step(target, verify_ids, mask, cache, last_only=False, dtype=draft_dtype)
         if greedy:
             token0 = logits[:, 0].argmax(-1)
             accepted = token0 == draft
