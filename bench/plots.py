@@ -382,10 +382,10 @@ def _matplotlib():
 def draw_report(result: dict, path: Path) -> Drawn:
     """Draw the report of ``result`` into the PNG ``path`` (written whole or not at all; no file when no panel has
     data). Raises :class:`MatplotlibMissing` without matplotlib."""
-    Figure, FigureCanvasAgg = _matplotlib()
     panels, left_out = plan(result)
     if not panels:
         return Drawn(None, [], left_out)
+    Figure, FigureCanvasAgg = _matplotlib()
     rows = math.ceil(len(panels) / COLUMNS)
     fig = Figure(figsize=(COLUMNS * PANEL_W, rows * PANEL_H + HEADER_H), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
