@@ -1,4 +1,6 @@
 # The two README commands: `make bench` (main job) and `make test`; CI also runs `make lint` and `make test-floor`.
+# Both venvs hold the `plots` extra (matplotlib), so `make bench` ends with its report image and the tests draw one;
+# the benchmark itself runs without it (it then says how to get the plots).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,14 +9,15 @@ TORCH  ?= torch==2.13.0
 # test-floor: the tests that exercise our dependencies, in a second venv holding the lowest version of every
 # requirement that pyproject.toml allows (.ci/floor_constraints.py turns each `>=X` into `==X`; torch 2.11 is a
 # CUDA build from PyPI, ~1.7 GB). transformers, safetensors, tqdm: speculative loop, parity, checkpoints, bench e2e;
-# torch: one compile of the real model step with both passes (the whole suite on 2.11 is too slow for CI).
+# torch: one compile of the real model step with both passes (the whole suite on 2.11 is too slow for CI);
+# matplotlib: the benchmark's report image.
 FLOOR_VENV  ?= .venv-floor
 FLOOR_PY    := $(FLOOR_VENV)/bin/python
 FLOOR_TESTS ?= tests/test_hf_compat.py tests/runtime/test_speculative.py tests/model/test_parity_hf.py \
                tests/test_checkpoint.py tests/test_config.py tests/testing/test_synthetic.py \
                tests/testing/test_fixture_parity.py \
                tests/bench/test_e2e.py::test_e2e_section_on_the_distilled_target \
-               tests/passes/test_real_model.py::test_ids_step_and_top_tokens_fp32
+               tests/passes/test_real_model.py::test_ids_step_and_top_tokens_fp32 tests/bench/test_plots.py
 
 .PHONY: bench test lint test-floor setup
 
@@ -22,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,plots]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -43,7 +46,7 @@ $(FLOOR_VENV)/.installed: pyproject.toml .ci/floor_constraints.py
 	$(PYTHON) .ci/floor_constraints.py pyproject.toml > $(FLOOR_VENV)/constraints.txt
 	$(FLOOR_PY) -m pip install -q --upgrade pip
 	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt setuptools wheel
-	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt --no-build-isolation -e ".[test]"
+	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt --no-build-isolation -e ".[test,plots]"
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.installed

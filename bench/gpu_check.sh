@@ -30,6 +30,7 @@
 #
 # $OUT gets at most 5 files at any moment (the device tool returns 8): gpu_check.log (the summary: each stage's
 # command, exit, time and log tail, and a closing table), gpu_check.tar (each finished stage's full log and JSON,
+# its report image where the machine has matplotlib (else draw it here: `python -m bench.report bench_<stage>.json`),
 # and RESULTS.md with the entries to append to bench/RESULTS.md), and while a stage runs its own <stage>.log and
 # bench_<stage>.json (written after every section: a stage cut at its limit, or the whole command cut, keeps what
 # it measured; a TERM or INT to the script stops the running stage and closes the summary). Read the tar with
@@ -119,9 +120,10 @@ stage() {  # stage NAME LIMIT COMMAND...   (LIMIT "rest": whatever is left of th
   if [ -f "$OUT/bench_$name.json" ]; then
     "$PY" -m bench.records "$OUT/bench_$name.json" 2>&1 | tee -a "$SUMMARY"
   fi
-  rm -f "$OUT/bench_$name.json.tmp"  # a write cut short by the kill (the JSON before it is whole)
+  # writes cut short by the kill (the JSON and image before them are whole)
+  rm -f "$OUT/bench_$name.json.tmp" "$OUT/bench_$name.png.tmp"
   ROWS+=("$name|$limit|$took|$status")
-  bundle "$OUT/$name.log" "$OUT/bench_$name.json" "$WORK/RESULTS.md"
+  bundle "$OUT/$name.log" "$OUT/bench_$name.json" "$OUT/bench_$name.png" "$WORK/RESULTS.md"
   return 0
 }
 

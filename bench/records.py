@@ -154,7 +154,8 @@ class Bandwidth(TypedDict):
 
 
 class Latency(TypedDict):
-    """Variants: eager, compiled_nopasses, compiled, compiled_call (CPU), cudagraph (CUDA), hf_eager, gemm_floor."""
+    """Variants: eager, compiled_nopasses, compiled, compiled_call (CPU), packaged (the AOTInductor step, timed with
+    the others), cudagraph (CUDA), hf_eager, gemm_floor."""
 
     batch: int
     context: int
@@ -169,11 +170,55 @@ class Latency(TypedDict):
     errors: dict[str, str]
 
 
+class Failed(TypedDict):
+    """A section that raised: what it raised."""
+
+    error: str
+
+
+class Startup(TypedDict):
+    """A fresh process up to its first draft (the fields a ``Probe`` has too, so the two compare)."""
+
+    import_s: float  # torch, inkling_compiled (and torch._inductor for a package)
+    load_s: float  # the models
+    first_call_s: float  # the first draft: for a package, loading it and running it once
+    process_s: float  # the whole subprocess
+
+
+class Packaged(TypedDict):
+    """The draft step packaged ahead of time with AOTInductor (issue 15). Its per-call latency is the ``packaged``
+    variant of ``Latency``, timed interleaved with the others."""
+
+    batch: int
+    build_s: float | None  # export + AOTInductor compile + package, once, ahead of time
+    package_bytes: int | None
+    startup: Startup | None
+    error: str | None  # what failed, leaving the fields after it None
+
+
+class QuantScheme(TypedDict):
+    step: Stats  # the compiled one-token draft step
+    step_bytes: int  # bytes the step must read, weights at their stored width
+    x_fp32_floor: float  # step median / fp32_floor_ms
+    compile_s: float | None  # first call (compile + run) with the options the scheme needs
+
+
+class Quant(TypedDict):
+    """Weight-only quantized drafting (issue 14), every scheme timed in one run."""
+
+    batch: int
+    fp32_floor_ms: float  # the GEMM floor of the fp32 step, same run
+    schemes: dict[str, QuantScheme]  # "fp32", "bf16", "int8_depths", "int8_depths_head"
+    errors: dict[str, str]  # the schemes that failed (unavailable on the device, ...)
+
+
 class Config(TypedDict):
     model: Model | None  # None: the models could not be built (see error)
     compile: Compile | None
     kernels: Kernels | None
     latency: dict[str, Latency]  # by batch size
+    packaged: NotRequired[Packaged | None]
+    quant: NotRequired[Quant | Failed | None]
     error: NotRequired[str]
 
 
@@ -203,8 +248,31 @@ class E2E(TypedDict):
     distill: dict[str, Any] | None  # distill.json without the loss history
 
 
-class Failed(TypedDict):
-    error: str
+class DepthPoint(TypedDict):
+    """Speculative generation with K chained draft depths per round, end to end (statistics: docs/protocol.md
+    §6.8)."""
+
+    k: int
+    tokens_per_s: float
+    speedup_vs_target: float  # tokens/s over the target alone's (target.generate), same run
+    mean_accepted_length: float  # tokens per target forward: 1 + accepted drafts per round
+    acceptance_per_position: list[float]  # K fractions: rounds whose drafts 1..j were all accepted
+    outputs_match_target: bool
+    draft_round_ms: dict[str, Stats]  # one compiled draft round (all K depths), by batch size; {} where not timed
+    compile_s: float | None  # first call (compile + run) of the K-depth drafter; None where not compiled
+
+
+class Depths(TypedDict):
+    """The K sweep (issue 11) on a self-distilled target: ours for each K, transformers' generate(use_mtp=True)
+    (which chains every depth it loads) once."""
+
+    checkpoint: str
+    device: str
+    prompts: int
+    new_tokens: int
+    target_tokens_per_s: float
+    ours: dict[str, DepthPoint]  # by K
+    hf_mtp: DepthPoint | None
 
 
 class Goal(TypedDict):
@@ -228,6 +296,7 @@ class Result(TypedDict):
     settings: Settings
     configs: dict[str, Config]
     e2e: E2E | Failed | None
+    depths: NotRequired[Depths | Failed | None]
     goals: list[Goal]
 
 

@@ -1,7 +1,10 @@
-"""Goals, the stdout table and the ``bench/RESULTS.md`` entry, all computed from the result dict alone."""
+"""Goals, the stdout table and the ``bench/RESULTS.md`` entry, all computed from the result dict alone; and
+``python -m bench.report RESULT.json``, which draws the report image (:mod:`bench.plots`) of any saved result."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 VARIANT_LABELS = {
@@ -9,6 +12,7 @@ VARIANT_LABELS = {
     "compiled_nopasses": "ours compiled (stock Inductor)",
     "compiled": "ours compiled (+ our passes)",
     "compiled_call": "  same, compiled graph call only",
+    "packaged": "ours packaged (AOTInductor)",
     "cudagraph": "ours compiled + CUDA graph",
     "hf_eager": "transformers MtpModel (eager)",
     "gemm_floor": "GEMM floor (the step's GEMMs alone)",
@@ -191,7 +195,7 @@ def _latency_lines(lat: dict) -> list[str]:
     if bw:
         header.append("HBM frac")
     rows = [header]
-    for name in ("eager", "compiled_nopasses", "compiled", "compiled_call", "cudagraph", "hf_eager", "gemm_floor"):
+    for name in VARIANT_LABELS:  # in the table's order
         if name not in v:
             continue
         s = v[name]
@@ -283,3 +287,51 @@ def append_results(path: Path, result: dict, table: str) -> None:
             f.write("# Benchmark results\n\nAppended by `python -m bench.run --record` (one entry per run; the JSON "
                     "of every run goes under bench/out/ or to `--json`).\n\n")
         f.write("\n".join(entry) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+
+def load_result(path: Path) -> dict:
+    """A saved result, checked against ``bench.records.Result`` (a partial one is fine); SystemExit naming the
+    problem otherwise."""
+    from .records import SCHEMA_ID, problems
+
+    try:
+        result = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{path}: not a readable JSON file ({e})") from None
+    found = problems(result)
+    if found:
+        schema = result.get("schema") if isinstance(result, dict) else None
+        raise SystemExit(f"{path} is not a bench.run result of schema {SCHEMA_ID} (its schema: {schema!r}); "
+                         f"{len(found)} problem(s), first: {'; '.join(found[:3])}")
+    return result
+
+
+def main(argv=None) -> int:
+    from .plots import MISSING_HINT, MatplotlibMissing, draw_report
+
+    p = argparse.ArgumentParser(prog="python -m bench.report",
+                                description="Draw the report image (PNG) of a saved `python -m bench.run` result "
+                                            "and print its path.")
+    p.add_argument("result", type=Path, help="the JSON a run wrote (bench/out/bench-*.json or --json)")
+    p.add_argument("--out", type=Path, default=None, help="where the PNG goes (default: beside the JSON, .png)")
+    a = p.parse_args(argv)
+    result = load_result(a.result)
+    out = a.out or a.result.with_suffix(".png")
+    try:
+        drawn = draw_report(result, out)
+    except MatplotlibMissing:
+        raise SystemExit(MISSING_HINT.format(json=a.result)) from None
+    except OSError as e:
+        raise SystemExit(f"cannot write {out}: {e.strerror or e}; choose another place with --out") from None
+    if drawn.path is None:
+        raise SystemExit(f"{a.result}: nothing to draw (not measured: {'; '.join(drawn.left_out)})")
+    print(drawn.path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

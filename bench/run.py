@@ -17,9 +17,11 @@ batch 1, context 64):
 
 It prints a table (progress on stderr) and writes the JSON (``bench.records.Result``) to ``--json``, by default a
 new file under the git-ignored ``bench/out/``, after every section (``partial: true`` until the end), so a run cut
-short keeps what it measured. ``--record`` appends an entry to ``bench/RESULTS.md`` (or the file it names). Goals
-are printed with the measured value and met / not met; they are targets, not asserts (the exit code is 0 either
-way).
+short keeps what it measured; at the end it draws the report image beside the JSON (:mod:`bench.plots`, with
+matplotlib; without it, it says how to get it) and prints its path last. ``python -m bench.report RESULT.json``
+draws it again from any saved JSON. ``--record`` appends an entry to ``bench/RESULTS.md`` (or the file it names).
+Goals are printed with the measured value and met / not met; they are targets, not asserts (the exit code is 0
+either way).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from . import report
+from . import plots, report
 from .records import SCHEMA_ID
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -448,6 +450,7 @@ def _run(s: Settings, given: list[str]) -> dict:
     if s.record:
         report.append_results(s.record, result, table)
         progress(f"appended an entry to {s.record}")
+    print(plots.report_line(result, s.json_path), flush=True)
     return result
 
 

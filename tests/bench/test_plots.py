@@ -1,0 +1,250 @@
+"""The report image: drawn from a small synthetic result that conforms to ``bench/records.py``, a valid PNG of the
+size its layout gives, panels left out for the sections a run did not produce, and a benchmark run that ends with
+the image's path (or, without matplotlib, with how to get it)."""
+
+import builtins
+import copy
+import json
+import struct
+
+import pytest
+
+from bench import plots, report, run
+from bench.records import SCHEMA_ID, problems
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from the PNG's IHDR chunk, after checking the signature."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == PNG_SIGNATURE and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def stats(median: float) -> dict:
+    return {"median_ms": median, "p10_ms": 0.9 * median, "p90_ms": 1.2 * median, "min_ms": 0.8 * median, "n": 10}
+
+
+def probe(first_call_s: float, hit: bool) -> dict:
+    return {"first_call_s": first_call_s, "import_s": 3.0, "load_s": 0.2, "dynamo_total_s": first_call_s,
+            "dynamo_s": 0.5, "backend_s": first_call_s - 0.5, "inductor_s": 0.0 if hit else first_call_s - 1.0,
+            "breakdown_s": {}, "graphs": 1, "recompiles": 0, "recompile_steps": 3, "cache_counters": {},
+            "fxgraph_cache_hit": int(hit), "fxgraph_cache_miss": int(not hit), "matches": {}, "cuda_graph": None,
+            "probe_s": first_call_s + 4.0, "process_s": first_call_s + 4.5}
+
+
+def latency(batch: int) -> dict:
+    medians = {"eager": 2.0, "compiled_nopasses": 0.4, "compiled": 0.3, "compiled_call": 0.25, "packaged": 0.1,
+               "hf_eager": 3.0, "gemm_floor": 0.05}
+    return {"batch": batch, "context": 64, "max_length": 128,
+            "variants": {name: stats(m * batch) for name, m in medians.items()},
+            "ratios": {"speedup_vs_peer": {}, "speedup_vs_eager": {}, "x_floor": {}}, "gemms": None,
+            "gemm_calls": None, "step_bytes": {"total": 100_000}, "bandwidth": None, "first_call_s": {},
+            "errors": {}}
+
+
+def method(tokens_per_s: float, acceptance: float | None, tokens_per_round: float | None) -> dict:
+    return {"tokens_per_s": tokens_per_s, "ms_per_token": 1e3 / tokens_per_s, "new_tokens": 16,
+            "seconds": 16 / tokens_per_s, "warmup_s": 0.1, "acceptance": acceptance, "drafted": 10, "accepted": 5,
+            "rounds": 10, "tokens_per_round": tokens_per_round, "outputs_match_target": True,
+            "speedup_vs_target": tokens_per_s / 50.0}
+
+
+def depth_point(k: int, per_position: list[float], rounds_ms: dict[str, dict] | None = None) -> dict:
+    return {"k": k, "tokens_per_s": 50.0 + 10 * k, "speedup_vs_target": 1 + k / 5, "mean_accepted_length":
+            1 + sum(per_position), "acceptance_per_position": per_position, "outputs_match_target": True,
+            "draft_round_ms": rounds_ms if rounds_ms is not None else {"1": stats(0.3 * k), "4": stats(0.5 * k)},
+            "compile_s": 5.0 + k}
+
+
+def synthetic_result() -> dict:
+    """Every section a run can write, with made-up figures."""
+    e2e_methods = {"target": method(50.0, None, None), "target_loop": method(55.0, None, None),
+                   "hf_mtp": method(30.0, 0.4375, 1.875), "ours_eager": method(45.0, 0.5, 1.5),
+                   "ours_compiled": method(60.0, 0.5, 1.5)}
+    e2e_methods["target"]["outputs_match_target"] = None
+    model = {"preset": "tiny", "weights": "checkpoint", "checkpoint": "/ckpt", "device": "cpu", "dtype": "float32",
+             "hidden_size": 64, "vocab_size": 512, "logits_vocab_size": 500, "intermediate_size": 128,
+             "depth0": {"sliding": True, "heads": 2, "kv_heads": 2, "head_dim": 32, "window": 8, "rel_extent": 8},
+             "num_depths": 2, "mtp_parameters": 100_000}
+    quant = {"batch": 1, "fp32_floor_ms": 0.05,
+             "schemes": {name: {"step": stats(m), "step_bytes": b, "x_fp32_floor": m / 0.05, "compile_s": 9.0}
+                         for name, m, b in (("fp32", 0.06, 400_000), ("bf16", 0.04, 200_000),
+                                            ("int8_depths", 0.035, 150_000), ("int8_depths_head", 0.02, 100_000))},
+             "errors": {}}
+    result = {
+        "schema": SCHEMA_ID, "command": "python -m bench.run --quick", "date": "2026-12-01T00:00:00+00:00",
+        "wall_s": 60.0, "partial": False, "completed": ["tiny/models", "tiny/compile", "tiny", "e2e"],
+        "machine": {"cpu": "test CPU", "cores": 2, "gpu": None, "torch": "2.13.0", "transformers": "5.24.0",
+                    "python": "3.11.7", "threads": 1, "platform": "linux", "triton": None},
+        "settings": {"configs": ["tiny"], "device": "cpu", "dtype": "float32", "batch_sizes": [1, 4], "context": 64,
+                     "max_length": 128, "threads": 1, "quick": True, "skip": []},
+        "configs": {"tiny": {"model": model,
+                             "compile": {"batch": 1, "cold": probe(15.0, False), "warm": probe(2.5, True),
+                                         "warm_cache_hit": True, "error": None},
+                             "kernels": None, "latency": {"1": latency(1), "4": latency(4)},
+                             "packaged": {"batch": 1, "build_s": 20.0, "package_bytes": 2_000_000,
+                                          "startup": {"import_s": 2.3, "load_s": 0.2, "first_call_s": 0.8,
+                                                      "process_s": 3.5}, "error": None},
+                             "quant": quant}},
+        "e2e": {"checkpoint": "/ckpt", "device": "cpu", "prompts": 1, "prompt_len": 8, "new_tokens": 16,
+                "methods": e2e_methods, "hf_mtp_depths": 2, "distill": None},
+        "depths": {"checkpoint": "/ckpt8", "device": "cpu", "prompts": 1, "new_tokens": 16,
+                   "target_tokens_per_s": 50.0,
+                   "ours": {"1": depth_point(1, [0.6]), "2": depth_point(2, [0.6, 0.4]),
+                            "4": depth_point(4, [0.6, 0.4, 0.3, 0.2])},
+                   "hf_mtp": depth_point(2, [0.5, 0.3], rounds_ms={})},
+        "goals": [],
+    }
+    result["goals"] = report.evaluate_goals(result)
+    return result
+
+
+ALL_PANELS = 7  # step latency, acceptance per position, accepted length, tokens/s, draft round, start-up, quant
+
+
+def test_the_synthetic_result_conforms_to_the_records():
+    assert problems(synthetic_result()) == []
+
+
+def test_report_is_a_png_of_the_layouts_size(tmp_path):
+    drawn = plots.draw_report(synthetic_result(), tmp_path / "out" / "report.png")
+    assert drawn.path == tmp_path / "out" / "report.png" and drawn.left_out == []
+    assert len(drawn.panels) == ALL_PANELS
+    assert png_size(drawn.path) == plots.figure_size(ALL_PANELS) == (1400, 4 * 450 + 100)  # 2 columns, 4 rows
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["report.png"]  # no temporary file left
+
+
+def test_a_section_the_run_did_not_produce_leaves_its_panel_out(tmp_path):
+    result = synthetic_result()
+    del result["depths"], result["configs"]["tiny"]["quant"]
+    drawn = plots.draw_report(result, tmp_path / "report.png")
+    assert drawn.left_out == ["draft-round latency against K (depths)", "quantized step (quant)"]
+    assert len(drawn.panels) == ALL_PANELS - 2
+    assert "acceptance per draft position (e2e section)" in drawn.panels  # K = 1 from today's e2e record
+    assert png_size(drawn.path) == plots.figure_size(ALL_PANELS - 2) == (1400, 3 * 450 + 100)
+
+
+SKIPPED, FAILED = None, {"error": "RuntimeError: boom"}
+
+
+def _with(result: dict, changes: dict) -> dict:
+    """A copy of ``result`` with the value at each dotted path replaced."""
+    result = copy.deepcopy(result)
+    for path, value in changes.items():
+        *parents, key = path.split(".")
+        node = result
+        for p in parents:
+            node = node[p]
+        node[key] = value
+    return result
+
+
+@pytest.mark.parametrize("changes, left_out, panels", [
+    ({"depths": FAILED}, ["draft-round latency against K (depths)"], ALL_PANELS - 1),
+    ({"depths": SKIPPED, "e2e": FAILED}, ["acceptance and accepted length (e2e or depths)",
+                                          "tokens/s against K (e2e or depths)",
+                                          "draft-round latency against K (depths)"], ALL_PANELS - 4),
+    ({"configs.tiny.compile": SKIPPED, "configs.tiny.packaged": SKIPPED}, ["start-up (compile, packaged)"],
+     ALL_PANELS - 1),
+    ({"configs.tiny.quant": FAILED}, ["quantized step (quant)"], ALL_PANELS - 1),
+    ({"configs.tiny.latency": {}}, ["step latency (latency)"], ALL_PANELS - 1),
+])
+def test_each_missing_or_failed_section_loses_exactly_its_panels(changes, left_out, panels):
+    result = _with(synthetic_result(), changes)
+    assert problems(result) == []  # a result a run can write
+    drawn, missing = plots.plan(result)
+    assert missing == left_out and len(drawn) == panels
+
+
+def test_nothing_measured_writes_no_file(tmp_path):
+    result = _with(synthetic_result(), {"e2e": SKIPPED, "depths": SKIPPED, "configs": {}})
+    drawn = plots.draw_report(result, tmp_path / "report.png")
+    assert drawn.path is None and drawn.panels == [] and list(tmp_path.iterdir()) == []
+    assert plots.report_line(result, tmp_path / "r.json") == ("report: nothing to draw (no section of this run "
+                                                              "produced a figure)")
+
+
+def test_the_k_panels_read_the_sweep_else_todays_e2e():
+    result = synthetic_result()
+    sw = plots.sweep(result)
+    assert sw.source == "K sweep" and sw.target_tokens_per_s == 50.0
+    assert [(p.method, p.k, p.acceptance_per_position) for p in sw.points] == [
+        ("ours", 1, [0.6]), ("ours", 2, [0.6, 0.4]), ("ours", 4, [0.6, 0.4, 0.3, 0.2]),
+        ("transformers generate(use_mtp=True)", 2, [0.5, 0.3])]
+    assert [(batch, [k for k, _ in pts]) for batch, pts in sw.draft_round_ms.items()] == [(1, [1, 2, 4]),
+                                                                                          (4, [1, 2, 4])]
+    del result["depths"]
+    sw = plots.sweep(result)
+    assert sw.source == "e2e section" and sw.draft_round_ms == {}
+    assert sw.points == [plots.SweepPoint("ours, compiled drafter", 1, 1.2, 1.5, [0.5]),
+                         plots.SweepPoint("ours, eager drafter", 1, 0.9, 1.5, [0.5]),
+                         plots.SweepPoint("transformers generate(use_mtp=True)", 2, 0.6, 1.875, None)]
+    assert sw.baselines == {"target alone, minimal greedy loop": 1.1}
+
+
+def test_the_vllm_reference_is_self_consistent():
+    """Mean accepted length = 1 + the sum of the per-position acceptance (docs/protocol.md §6.8)."""
+    for k, per_position in plots.VLLM_ACCEPTANCE.items():
+        assert len(per_position) == k
+        assert round(1 + sum(per_position) / 100, 2) == plots.VLLM_MEAN_ACCEPTED_LENGTH[k]
+
+
+def _hide_matplotlib(monkeypatch):
+    real_import = builtins.__import__
+
+    def without_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_matplotlib)
+
+
+@pytest.mark.parametrize("has_matplotlib", [True, False])
+def test_the_benchmark_ends_with_the_reports_path_or_how_to_get_it(has_matplotlib, tmp_path, monkeypatch, capsys):
+    e2e = synthetic_result()["e2e"]
+    monkeypatch.setattr(run, "e2e_section", lambda settings: e2e)
+    if not has_matplotlib:
+        _hide_matplotlib(monkeypatch)
+    json_path = tmp_path / "result.json"
+    run.run(["--skip", "compile,latency", "--json", str(json_path)])
+    last = capsys.readouterr().out.splitlines()[-1]
+    if has_matplotlib:
+        assert last == f"report: {tmp_path / 'result.png'}"
+        assert png_size(tmp_path / "result.png") == plots.figure_size(3)  # acceptance, accepted length, tokens/s
+    else:
+        assert last == plots.MISSING_HINT.format(json=json_path)
+        assert "pip install -e '.[plots]'" in last and f"python -m bench.report {json_path}" in last
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+
+def test_report_command_redraws_a_saved_result(tmp_path, capsys):
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(synthetic_result()))
+    assert report.main([str(saved), "--out", str(tmp_path / "again.png")]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'again.png'}\n"
+    assert png_size(tmp_path / "again.png") == plots.figure_size(ALL_PANELS)
+
+
+def test_report_command_names_what_is_wrong(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="no-such.json: no such file"):
+        report.main([str(tmp_path / "no-such.json")])
+    (tmp_path / "garbled.json").write_text("{")
+    with pytest.raises(SystemExit, match="garbled.json: not a readable JSON file"):
+        report.main([str(tmp_path / "garbled.json")])
+    old = synthetic_result()
+    del old["machine"]["cpu"]
+    old["schema"] = "inkling-bench/1"
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match=r"its schema: 'inkling-bench/1'.*\$\.machine: missing key 'cpu'"):
+        report.main([str(tmp_path / "old.json")])
+    (tmp_path / "good.json").write_text(json.dumps(synthetic_result()))
+    with pytest.raises(SystemExit, match=r"cannot write .*good.json/report.png: .*; choose another place with --out"):
+        report.main([str(tmp_path / "good.json"), "--out", str(tmp_path / "good.json" / "report.png")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["garbled.json", "good.json", "old.json"]
+    _hide_matplotlib(monkeypatch)
+    with pytest.raises(SystemExit, match=r"matplotlib is not installed.*pip install -e '\.\[plots\]'"):
+        report.main([str(tmp_path / "good.json")])
+    assert not (tmp_path / "good.png").exists()
