@@ -13,15 +13,15 @@ so that every window covers at least the K rows ending at its last row: with ``a
 ``K - a - 1 = r - 1`` re-run rows, and their slots are overwritten with values from committed tokens only. K = 1
 re-runs nothing.
 
-Each sequence's rows are first right-aligned (padding first, real rows in position order, whatever padding the
-caller used), so the window's last column is every sequence's last real row. Shapes are bucketed so that compiled
-graphs are reused: the batch is padded up to a batch bucket and the window to a graph row count (the decode windows
+Every depth drafts from each sequence's last real row, whatever padding the caller used; with K > 1 the window's
+rows are first right-aligned (padding first, real rows in position order), so that shifting the tokens by one
+column shifts them by one position. Shapes are bucketed so that compiled graphs are reused: the batch is padded up to a batch bucket and the window to a graph row count (the decode windows
 K and K + 1) or a power of two, with padding rows at ``cache.pad_position`` (they touch only a scratch slot).
 
 Compilation: one compiled step per depth *geometry* (sliding / full). The step takes the depth's module and cache
 as arguments, so every depth of a geometry reuses one graph (Dynamo treats module parameters as inputs) and the
-compile cost does not grow with K; a small compiled prologue builds the window. On CUDA the whole round — prologue
-and all K depth steps — is captured as one CUDA graph per (batch bucket, rows, greedy/sampled) bucket, the buckets
+compile cost does not grow with K; with K > 1 a small compiled prologue builds the window. On CUDA the whole round
+— prologue and all K depth steps — is captured as one CUDA graph per (batch bucket, rows, greedy/sampled) bucket, the buckets
 sharing one memory pool. Greedy and sampled drafting both stay on the device: sampling uses the exponential-race
 form of the Gumbel trick (``argmax(q / E)``, ``E ~ Exp(1)``, independent per depth), with q the muP-correct draft
 distribution of each depth, returned for verification.
@@ -184,43 +184,48 @@ class Drafter:
     # -- the round: a compiled prologue, then one compiled step per depth (traced; our Inductor passes apply) ------
 
     def _window(self, input_ids, positions, hidden):
-        """The round's rows [B, W]: the stored rows it re-runs (K > 1) and the new rows, each sequence right-aligned
-        (padding first, then positions ascending), with padding at ``cache.pad_position``."""
+        """K > 1: the stored rows the round re-runs, then the new rows, each sequence right-aligned (padding -1
+        first, then positions ascending) in the bucket's width."""
         width = positions.shape[1]
-        if self.history is not None:
-            input_ids, positions, hidden = self.history.prepend(input_ids, positions, hidden)
+        input_ids, positions, hidden = self.history.prepend(input_ids, positions, hidden)
         order = positions.argsort(dim=1, stable=True)[:, -width:]  # padding is -1: it sorts first
         positions, input_ids = positions.gather(1, order), input_ids.gather(1, order)
         hidden = hidden.gather(1, order[..., None].expand(-1, -1, hidden.shape[-1]))
-        if self.history is not None:
-            self.history.remember(input_ids, positions, hidden)
-        return input_ids, torch.where(positions < 0, self.cache.pad_position, positions), hidden
+        self.history.remember(input_ids, positions, hidden)
+        return input_ids, positions, hidden
 
     def _depth(self, layer, depth_cache, input_ids, positions, previous, noise=None, inv_temperature=None):
-        """One depth over the window; its draft from the last row; the next depth's tokens (shifted one left, the
-        draft appended). Padding rows pass zeros on: a padding row of a sliding depth sees no key (its softmax is NaN),
-        and the next depth would write what it computes from that into its scratch slot, which full-attention rows
-        read with probability 0 (0 * NaN = NaN)."""
-        hidden = self.model.run_layer(layer, self.model.embed_tokens(input_ids), previous, positions, depth_cache)
-        hidden = torch.where((positions == self.cache.pad_position)[..., None], 0.0, hidden)
-        last = hidden[:, -1]
+        """One depth over the rows (negative positions: padding); its draft from each sequence's last real row; the
+        next depth's tokens (shifted one left, the draft after the last real row's token).
+
+        Padding rows pass zeros on: a padding row of a sliding depth sees no key (its softmax is NaN), and the next
+        depth would write what it computes from that into its scratch slot, which full-attention rows read with
+        probability 0 (0 * NaN = NaN)."""
+        real = positions >= 0
+        slots = torch.where(real, positions, self.cache.pad_position)
+        hidden = self.model.run_layer(layer, self.model.embed_tokens(input_ids), previous, slots, depth_cache)
+        hidden = torch.where(real[..., None], hidden, 0.0)
+        last_column = (torch.arange(positions.shape[1], device=positions.device) * real).amax(dim=1, keepdim=True)
+        last = hidden.gather(1, last_column[..., None].expand(-1, -1, hidden.shape[-1])).squeeze(1)
         if noise is None:
             draft, probs = self.model.get_top_tokens(last), None
         else:
             probs = torch.softmax(self.model.compute_logits(last).float() * inv_temperature, dim=-1)
             draft = (probs / noise).argmax(dim=-1)
-        return hidden, draft, torch.cat([input_ids[:, 1:], draft[:, None]], dim=1), probs
+        next_ids = input_ids.roll(-1, dims=1).scatter(1, last_column, draft[:, None])
+        return hidden, last, draft, next_ids, probs
 
     def _round(self, input_ids, positions, hidden, noise=None, inv_temperature=None):
-        input_ids, positions, hidden = self._window_step(input_ids, positions, hidden)
+        if self.history is not None:  # K = 1 re-runs nothing
+            input_ids, positions, hidden = self._window_step(input_ids, positions, hidden)
         drafts, probs = [], []
         for k in range(self.num_speculative_tokens):
-            hidden, draft, input_ids, q = self._depth_step(self.model.layers[k], self.cache.depths[k], input_ids,
-                                                           positions, hidden, None if noise is None else noise[k],
-                                                           inv_temperature)
+            hidden, last, draft, input_ids, q = self._depth_step(self.model.layers[k], self.cache.depths[k],
+                                                                 input_ids, positions, hidden,
+                                                                 None if noise is None else noise[k], inv_temperature)
             drafts.append(draft)
             probs.append(q)
-        outputs = (torch.stack(drafts, dim=1), hidden[:, -1])
+        outputs = (torch.stack(drafts, dim=1), last)
         return outputs + (torch.stack(probs, dim=1),) if noise is not None else outputs
 
     def _greedy(self, input_ids, positions, hidden):
