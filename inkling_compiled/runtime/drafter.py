@@ -15,16 +15,17 @@ re-runs nothing.
 
 Every depth drafts from each sequence's last real row, whatever padding the caller used; with K > 1 the window's
 rows are first right-aligned (padding first, real rows in position order), so that shifting the tokens by one
-column shifts them by one position. Shapes are bucketed so that compiled graphs are reused: the batch is padded up to a batch bucket and the window to a graph row count (the decode windows
-K and K + 1) or a power of two, with padding rows at ``cache.pad_position`` (they touch only a scratch slot).
+column shifts them by one position. Shapes are bucketed so that compiled graphs are reused: the batch is padded up
+to a batch bucket and the window to a graph row count (the decode windows K and K + 1) or a power of two, with
+padding rows at ``cache.pad_position`` (they touch only a scratch slot).
 
 Compilation: one compiled step per depth *geometry* (sliding / full). The step takes the depth's module and cache
 as arguments, so every depth of a geometry reuses one graph (Dynamo treats module parameters as inputs) and the
 compile cost does not grow with K; with K > 1 a small compiled prologue builds the window. On CUDA the whole round
-— prologue and all K depth steps — is captured as one CUDA graph per (batch bucket, rows, greedy/sampled) bucket, the buckets
-sharing one memory pool. Greedy and sampled drafting both stay on the device: sampling uses the exponential-race
-form of the Gumbel trick (``argmax(q / E)``, ``E ~ Exp(1)``, independent per depth), with q the muP-correct draft
-distribution of each depth, returned for verification.
+— prologue and all K depth steps — is captured as one CUDA graph per (batch bucket, rows, greedy/sampled) bucket,
+the buckets sharing one memory pool. Greedy and sampled drafting both stay on the device: sampling uses the
+exponential-race form of the Gumbel trick (``argmax(q / E)``, ``E ~ Exp(1)``, independent per depth), with q the
+muP-correct draft distribution of each depth, returned for verification.
 """
 
 from __future__ import annotations

@@ -288,9 +288,13 @@ def exact_three_token_law(target, prompt, temperature, top_p):
 
 
 def chi_square_pvalue(samples: torch.Tensor, law: torch.Tensor) -> float:
+    """Goodness of fit of the rows of ``samples`` [N, n] to the joint ``law`` [V] * n (cells with expected count
+    < 5 pooled); 0 for a sample outside the law's support."""
     vocab = law.shape[0]
     n = samples.shape[0]
-    cells = (samples[:, 0] * vocab + samples[:, 1]) * vocab + samples[:, 2]
+    cells = torch.zeros(n, dtype=torch.long)
+    for column in samples.T:
+        cells = cells * vocab + column
     observed = torch.bincount(cells, minlength=law.numel()).double()
     expected = law.reshape(-1).double() * n
     if observed[expected == 0].sum() > 0:  # a sample outside the target's support (e.g. top-p removed it)

@@ -15,23 +15,11 @@ import torch
 
 from inkling_compiled.runtime import DraftResult, speculative
 from inkling_compiled.runtime.speculative import speculative_generate
-from tests.runtime.test_speculative import (StandInDrafter, _first_eos_candidate, _top_p_reference, left_pad,
-                                            make_target, oracle_from, random_prompts, wrong_pattern)
+from tests.runtime.test_speculative import (  # noqa: F401  (_one_thread, target: fixtures used here)
+    StandInDrafter, _first_eos_candidate, _one_thread, _top_p_reference, chi_square_pvalue, left_pad, make_target,
+    oracle_from, random_prompts, target, wrong_pattern)
 
 PAD = 0
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_target()
 
 
 class KStandInDrafter(StandInDrafter):
@@ -147,25 +135,6 @@ def exact_laws(target, prompt, n, temperature, top_p):
     for law in laws[1:]:
         joint = joint[..., None] * law
     return laws, joint
-
-
-def chi_square_pvalue(samples: torch.Tensor, law: torch.Tensor) -> float:
-    """Goodness of fit of the rows of ``samples`` [N, n] to the joint ``law`` [V] * n (cells with expected count < 5
-    pooled); 0 for a sample outside the law's support."""
-    vocab, n = law.shape[0], samples.shape[0]
-    cells = torch.zeros(n, dtype=torch.long)
-    for column in samples.T:
-        cells = cells * vocab + column
-    observed = torch.bincount(cells, minlength=law.numel()).double()
-    expected = law.reshape(-1).double() * n
-    if observed[expected == 0].sum() > 0:
-        return 0.0
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = (((obs - exp) ** 2)[keep] / exp[keep]).sum()
-    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2.0, dtype=torch.float64), stat / 2))
 
 
 class SamplingDrafter:
