@@ -20,8 +20,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m inkling_compiled.generate", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", help="raw Inkling checkpoint directory (default: tiny synthetic checkpoint)")
+    parser.add_argument("--preset", default="tiny",
+                        help="synthetic preset used when no --checkpoint is given (default tiny; tiny8 has 8 depths)")
     parser.add_argument("--distilled", action="store_true",
                         help="with the default checkpoint: self-distil its MTP first (cached; ~1 min the first time)")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=1,
+                        help="drafts per round, i.e. MTP depths chained (default 1)")
     parser.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt (default 16)")
     parser.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
     parser.add_argument("--ragged", action="store_true",
@@ -55,7 +59,7 @@ def build(args):
     if args.checkpoint:
         path = args.checkpoint
     else:
-        path = cached_checkpoint("tiny")
+        path = cached_checkpoint(args.preset)
         if args.distilled:  # random MTP weights draft nothing the target accepts
             from .training.distill import distill
 
@@ -64,7 +68,7 @@ def build(args):
     target = load_hf_target(path, dtype=dtype).to(args.device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device)
     drafter = Drafter(mtp, max_batch_size=args.batch, max_length=args.prompt_len + args.max_new_tokens,
-                      compile=not args.no_compile)
+                      num_speculative_tokens=args.num_speculative_tokens, compile=not args.no_compile)
     return path, target, drafter
 
 
@@ -119,6 +123,8 @@ def main(argv=None) -> int:
     print(f"drafted {out.num_drafted}, accepted {out.num_accepted}, acceptance rate {out.acceptance_rate:.3f}, "
           f"mean accepted length {out.mean_accepted_length:.3f} tokens / target forward "
           f"({out.num_rounds} verify rounds + prefill)")
+    print(f"acceptance per position (K = {out.num_speculative_tokens}): "
+          f"{' '.join(f'{a:.3f}' for a in out.acceptance_per_position)}")
     print(f"accepted per round: {out.accepted_per_round}")
     print(f"tokens per round:   {out.emitted_per_round}")
     new_tokens = out.num_new_tokens * ids.shape[0]

@@ -166,8 +166,14 @@ class InklingMTP(nn.Module):
         """:meth:`forward` without input validation (no host sync): bad inputs crash or answer wrong here."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        hidden = self.layers[depth](inputs_embeds, previous_hidden, positions,
-                                    cache.depths[depth] if cache is not None else None)
+        return self.run_layer(self.layers[depth], inputs_embeds, previous_hidden, positions,
+                              cache.depths[depth] if cache is not None else None)
+
+    def run_layer(self, layer: MTPDepth, embeds: torch.Tensor, previous_hidden: torch.Tensor, positions: torch.Tensor,
+                  depth_cache: DepthCache | None) -> torch.Tensor:
+        """One of ``self.layers`` over rows, then the chain norm; no validation. The drafter compiles this once per
+        depth geometry and passes each depth's module and cache, so every depth of a geometry shares one graph."""
+        hidden = layer(embeds, previous_hidden, positions, depth_cache)
         return self.chain_norm(hidden) if self.chain_norm is not None else hidden
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,31 @@
-"""The drafter: an ``InklingMTP`` plus its static cache, run through ``torch.compile`` and, on GPU, CUDA graphs.
+"""The drafter: ``K`` chained MTP depths over a static cache, run through ``torch.compile`` and, on GPU, CUDA graphs.
 
-One call drafts one token per sequence from MTP depth 0: the rows given (the prompt at prefill, or the target's
-verified window while decoding) are written into the position-addressed cache and the logits of each sequence's last
-real row (its largest position, picked on the device) give the draft (spec §6.3-6.4). Shapes are bucketed so that
-compiled graphs are reused: the batch is padded up to a batch bucket and the rows up to a power of two, with padding
-rows at ``cache.pad_position`` (they touch only a scratch slot). Each (batch bucket, rows, greedy/sampled) shape
-owns static input/output buffers; on CUDA the shapes in ``graph_rows`` are captured once as CUDA graphs sharing one
-memory pool and later only replayed. Greedy and sampled drafting both stay on the device: sampling uses the
-exponential-race form of the Gumbel trick (``argmax(q / E)``, ``E ~ Exp(1)``), with q the muP-correct draft
-distribution, returned for verification.
+One call (a *round*) drafts K tokens per sequence (docs/protocol.md §6.3-6.5). The rows given — the prompt at
+prefill, or the target's verified rows while decoding — are the round's window; depth k runs over the same rows as
+depth 0, with depth k-1's full-window output as its hidden and the token stream shifted one further left, the drafts
+so far filling the tail (depth k at row t reads ``(g^{k-1}_t, x_{t+k+1})``). Each depth writes its own
+position-addressed cache, and the last row of depth k gives draft ``d_{k+1}``.
+
+Stale rows (K > 1): after a verification that rejected r drafts, the last ``max(0, r - 1)`` committed rows before
+the new rows were computed by some depth from drafts that turned out wrong. The drafter keeps the last K committed
+rows of each sequence (token, position, target hidden) and puts the ones a round needs at the front of its window,
+so that every window covers at least the K rows ending at its last row: with ``a + 1`` new rows that is exactly
+``K - a - 1 = r - 1`` re-run rows, and their slots are overwritten with values from committed tokens only. K = 1
+re-runs nothing.
+
+Every depth drafts from each sequence's last real row, whatever padding the caller used; with K > 1 the window's
+rows are first right-aligned (padding first, real rows in position order), so that shifting the tokens by one
+column shifts them by one position. Shapes are bucketed so that compiled graphs are reused: the batch is padded up
+to a batch bucket and the window to a graph row count (the decode windows K and K + 1) or a power of two, with
+padding rows at ``cache.pad_position`` (they touch only a scratch slot).
+
+Compilation: one compiled step per depth *geometry* (sliding / full). The step takes the depth's module and cache
+as arguments, so every depth of a geometry reuses one graph (Dynamo treats module parameters as inputs) and the
+compile cost does not grow with K; with K > 1 a small compiled prologue builds the window. On CUDA the whole round
+— prologue and all K depth steps — is captured as one CUDA graph per (batch bucket, rows, greedy/sampled) bucket,
+the buckets sharing one memory pool. Greedy and sampled drafting both stay on the device: sampling uses the
+exponential-race form of the Gumbel trick (``argmax(q / E)``, ``E ~ Exp(1)``, independent per depth), with q the
+muP-correct draft distribution of each depth, returned for verification.
 """
 
 from __future__ import annotations
@@ -25,8 +42,9 @@ from ..model.mtp import InklingMTP
 from ..torch_version import BEFORE_2_13
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
-DEFAULT_GRAPH_ROWS = (1, 2)  # the K=1 decode windows: one row after a rejection, two after an acceptance
-RECOMPILE_LIMIT = 64  # one compiled graph per (batch bucket, row bucket, mode); raised only around our own calls
+# Compiled graphs per code object: (batch buckets x row buckets x greedy/sampled), times the two depth geometries for
+# the depth step. Raised only around our own first calls of a bucket.
+RECOMPILE_LIMIT = 256
 # torch 2.11's C++ codegen emits a vectorized 2-D tile of the step's cache-write kernel that reads an index before
 # declaring it (CppCompileError: 'tmpNN' was not declared); scalar CPU code compiles and is correct. 2.13 is fine.
 CPU_CODEGEN_WORKAROUNDS = {"cpp.simdlen": 1} if BEFORE_2_13 else {}
@@ -93,15 +111,70 @@ def _compile_options(compile_options, on_cuda: bool, model_options: dict) -> dic
     return options
 
 
+def decode_windows(num_speculative_tokens: int) -> tuple[int, int]:
+    """Rows of a decode round's window: K after a rejection (re-run rows + verified rows), K + 1 when every draft
+    was accepted (K = 1: one and two rows)."""
+    return num_speculative_tokens, num_speculative_tokens + 1
+
+
 @dataclass
 class DraftResult:
-    tokens: torch.Tensor  # [B] drafted token ids
-    probs: torch.Tensor | None  # [B, V] draft distribution the tokens were sampled from; None when greedy
-    hidden: torch.Tensor  # [B, H] last real row's depth output (the next depth's hidden input when chaining)
+    drafts: torch.Tensor  # [B, K] drafted token ids d_1..d_K
+    draft_probs: torch.Tensor | None  # [B, K, V] the distribution each draft was sampled from; None when greedy
+    hidden: torch.Tensor  # [B, H] the last depth's output at each sequence's last row
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[B] the first draft d_1 (with K = 1, the only one)."""
+        return self.drafts[:, 0]
+
+    @property
+    def probs(self) -> torch.Tensor | None:
+        """[B, V] the distribution d_1 was sampled from; None when greedy."""
+        return None if self.draft_probs is None else self.draft_probs[:, 0]
 
 
-class _Shape:
-    """Static buffers (and, on CUDA, a captured graph) for one (batch bucket, rows, sampled) shape."""
+class CommittedRows:
+    """The last K committed rows of each sequence (token, position, target hidden), for re-running stale rows.
+
+    Stored by position modulo K, so running a round again with the same rows rewrites the same slots with the same
+    values (idempotent, like the position-addressed cache; a CUDA-graph warm-up relies on it). Empty slots hold
+    position -1.
+    """
+
+    def __init__(self, batch_size: int, size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.size = size
+        self.input_ids = torch.zeros(batch_size, size, dtype=torch.long, device=device)
+        self.positions = torch.full((batch_size, size), -1, dtype=torch.long, device=device)
+        self.hidden = torch.zeros(batch_size, size, hidden_size, dtype=dtype, device=device)
+
+    def prepend(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored rows before the new ones (each sequence's K - 1 positions before its first new row; the others
+        marked padding), followed by the new rows."""
+        batch = positions.shape[0]
+        stored = self.positions[:batch]
+        first = torch.where(positions >= 0, positions, torch.iinfo(positions.dtype).max).amin(dim=1, keepdim=True)
+        before = (stored < first) & (stored >= first - (self.size - 1))
+        return (torch.cat([self.input_ids[:batch], input_ids], dim=1),
+                torch.cat([torch.where(before, stored, -1), positions], dim=1),
+                torch.cat([self.hidden[:batch], hidden], dim=1))
+
+    def remember(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Store the last K columns of a right-aligned window (>= K columns); sequences with no real row keep theirs."""
+        batch, width = positions.shape
+        last = positions[:, -1:]
+        slots = torch.arange(self.size, device=positions.device)[None, :]
+        column = width - self.size + (slots - last - 1) % self.size  # the column holding the position of each slot
+        keep = last >= 0
+        for stored, new in ((self.input_ids, input_ids), (self.positions, positions)):
+            stored[:batch].copy_(torch.where(keep, new.gather(1, column), stored[:batch]))
+        picked = hidden.gather(1, column[..., None].expand(-1, -1, hidden.shape[-1]))
+        self.hidden[:batch].copy_(torch.where(keep[..., None], picked, self.hidden[:batch]))
+
+
+class _BucketBuffers:
+    """Static input buffers of one (batch bucket, rows, sampled) bucket and, on CUDA, its captured round."""
 
     def __init__(self, drafter: Drafter, batch: int, rows: int, sampled: bool):
         model, dev = drafter.model, drafter.model.device
@@ -109,10 +182,10 @@ class _Shape:
         self.input_ids = torch.zeros(batch, rows, dtype=torch.long, device=dev)
         self.positions = torch.full((batch, rows), -1, dtype=torch.long, device=dev)
         self.hidden = torch.zeros(batch, rows, model.config.hidden_size, dtype=model.dtype, device=dev)
-        vocab = model.config.logits_vocab_size
-        self.noise = torch.ones(batch, vocab, dtype=torch.float32, device=dev) if sampled else None
+        vocab, depths = model.config.logits_vocab_size, drafter.num_speculative_tokens
+        self.noise = torch.ones(depths, batch, vocab, dtype=torch.float32, device=dev) if sampled else None
         self.inv_temperature = torch.ones(batch, 1, dtype=torch.float32, device=dev) if sampled else None
-        self.compiled = False  # the step has run once for this shape (compiled, and captured where it applies)
+        self.compiled = False  # the round has run once for this bucket (compiled, and captured where it applies)
         self.written = (0, 0)  # (batch, rows) of the last call: the positions beyond it are padding (-1)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, ...] | None = None
@@ -122,30 +195,47 @@ class _Shape:
         return base + (self.noise, self.inv_temperature) if self.sampled else base
 
 
-class Drafter:
-    """Drafts with depth 0 of ``model`` for up to ``max_batch_size`` sequences of up to ``max_length`` positions.
+def _check_num_speculative_tokens(value, loaded: int) -> int:
+    if value is None:
+        return loaded
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= loaded:
+        raise ValueError(f"num_speculative_tokens must be an int in [1, {loaded}] (the model has {loaded} loaded MTP "
+                         f"depth(s); load more with from_pretrained(..., num_depths=...)), got {value!r}")
+    return value
 
-    ``compile=False`` runs the eager model (same buffers and results); ``cuda_graphs`` defaults to on for CUDA models.
+
+class Drafter:
+    """Drafts ``num_speculative_tokens`` tokens per round with depths 0..K-1 of ``model`` for up to
+    ``max_batch_size`` sequences of up to ``max_length`` positions.
+
+    ``num_speculative_tokens=None`` uses every loaded depth. ``compile=False`` runs the eager model (same buffers and
+    results); ``cuda_graphs`` defaults to on for CUDA models; ``graph_rows`` (default: the decode windows K and
+    K + 1) are the window sizes that get an exact bucket and, on CUDA, a captured graph.
     """
 
-    def __init__(self, model: InklingMTP, max_batch_size: int, max_length: int, *, compile: bool = True,
-                 cuda_graphs: bool | None = None, batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
-                 graph_rows: tuple[int, ...] = DEFAULT_GRAPH_ROWS, compile_options: dict | None = None):
+    def __init__(self, model: InklingMTP, max_batch_size: int, max_length: int, *,
+                 num_speculative_tokens: int | None = 1, compile: bool = True, cuda_graphs: bool | None = None,
+                 batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, graph_rows: tuple[int, ...] | None = None,
+                 compile_options: dict | None = None):
         if not isinstance(model, InklingMTP):
             raise ValueError(f"model must be an InklingMTP, got {type(model).__name__}")
         model.check_parameters()
         if not isinstance(compile, bool) or not (cuda_graphs is None or isinstance(cuda_graphs, bool)):
             raise ValueError(f"compile must be a bool and cuda_graphs a bool or None, got {compile!r}, {cuda_graphs!r}")
         self.model = model
+        self.num_speculative_tokens = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
         self.max_batch_size = positive_int("max_batch_size", max_batch_size)
         self.max_length = positive_int("max_length", max_length)
         self.cache = model.new_cache(self.max_batch_size, self.max_length)
+        k = self.num_speculative_tokens
+        self.history = (CommittedRows(self.max_batch_size, k, model.config.hidden_size, model.dtype, model.device)
+                        if k > 1 else None)
         buckets = _bucket_sizes("batch_buckets", batch_buckets)
         if not buckets:
             raise ValueError("batch_buckets must name at least one batch size")
         self.batch_buckets = tuple(b for b in buckets if b < self.max_batch_size) + (self.max_batch_size,)
         self.graph_batch_limit = buckets[-1]
-        self.graph_rows = _bucket_sizes("graph_rows", graph_rows)
+        self.graph_rows = _bucket_sizes("graph_rows", graph_rows) if graph_rows is not None else decode_windows(k)
         on_cuda = model.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA model; this one is on {model.device}")
@@ -155,40 +245,75 @@ class Drafter:
         options = _compile_options(compile_options, on_cuda, fast_inductor_options(model))
         # Inductor freezes only what Dynamo traced as constants: prepare_freezing, around our own compiles only.
         self._freezing = bool(options.get("options", {}).get("freezing"))
-        self._greedy = torch.compile(self._greedy_step, **options) if compile else self._greedy_step
-        self._sampled = torch.compile(self._sampled_step, **options) if compile else self._sampled_step
-        self._shapes: dict[tuple[int, int, bool], _Shape] = {}
+        self._window_step = torch.compile(self._window, **options) if compile else self._window
+        self._depth_step = torch.compile(self._depth, **options) if compile else self._depth
+        self._shapes: dict[tuple[int, int, bool], _BucketBuffers] = {}
         self._pool = None
 
-    # -- the compiled step functions (traced by torch.compile; our Inductor passes apply to them) ------------------
+    # -- the round: a compiled prologue, then one compiled step per depth (traced; our Inductor passes apply) ------
 
-    def _run_depth0(self, input_ids, positions, hidden):
-        """Depth 0 over the rows (validated, if at all, by :meth:`draft`); each sequence's output at its last real
-        row, the one at its largest position (real rows are consecutive; padding, < 0, may sit anywhere)."""
-        last = positions.argmax(dim=1)
-        positions = torch.where(positions < 0, self.cache.pad_position, positions)
-        out = self.model.forward_unchecked(input_ids, positions, hidden, cache=self.cache, depth=0)
-        return out[torch.arange(out.shape[0], device=out.device), last]
+    def _window(self, input_ids, positions, hidden):
+        """K > 1: the stored rows the round re-runs, then the new rows, each sequence right-aligned (padding -1
+        first, then positions ascending) in the bucket's width."""
+        width = positions.shape[1]
+        input_ids, positions, hidden = self.history.prepend(input_ids, positions, hidden)
+        order = positions.argsort(dim=1, stable=True)[:, -width:]  # padding is -1: it sorts first
+        positions, input_ids = positions.gather(1, order), input_ids.gather(1, order)
+        hidden = hidden.gather(1, order[..., None].expand(-1, -1, hidden.shape[-1]))
+        self.history.remember(input_ids, positions, hidden)
+        return input_ids, positions, hidden
 
-    def _greedy_step(self, input_ids, positions, hidden):
-        last = self._run_depth0(input_ids, positions, hidden)
-        return self.model.get_top_tokens(last), last
+    def _depth(self, layer, depth_cache, input_ids, positions, previous, noise=None, inv_temperature=None):
+        """One depth over the rows (negative positions: padding); its draft from each sequence's last real row; the
+        next depth's tokens (shifted one left, the draft after the last real row's token).
 
-    def _sampled_step(self, input_ids, positions, hidden, noise, inv_temperature):
-        last = self._run_depth0(input_ids, positions, hidden)
-        probs = torch.softmax(self.model.compute_logits(last).float() * inv_temperature, dim=-1)
-        return (probs / noise).argmax(dim=-1), last, probs
+        Padding rows pass zeros on: a padding row of a sliding depth sees no key (its softmax is NaN), and the next
+        depth would write what it computes from that into its scratch slot, which full-attention rows read with
+        probability 0 (0 * NaN = NaN)."""
+        real = positions >= 0
+        slots = torch.where(real, positions, self.cache.pad_position)
+        hidden = self.model.run_layer(layer, self.model.embed_tokens(input_ids), previous, slots, depth_cache)
+        hidden = torch.where(real[..., None], hidden, 0.0)
+        last_column = (torch.arange(positions.shape[1], device=positions.device) * real).amax(dim=1, keepdim=True)
+        last = hidden.gather(1, last_column[..., None].expand(-1, -1, hidden.shape[-1])).squeeze(1)
+        if noise is None:
+            draft, probs = self.model.get_top_tokens(last), None
+        else:
+            probs = torch.softmax(self.model.compute_logits(last).float() * inv_temperature, dim=-1)
+            draft = (probs / noise).argmax(dim=-1)
+        next_ids = input_ids.roll(-1, dims=1).scatter(1, last_column, draft[:, None])
+        return hidden, last, draft, next_ids, probs
+
+    def _round(self, input_ids, positions, hidden, noise=None, inv_temperature=None):
+        if self.history is not None:  # K = 1 re-runs nothing
+            input_ids, positions, hidden = self._window_step(input_ids, positions, hidden)
+        drafts, probs = [], []
+        for k in range(self.num_speculative_tokens):
+            hidden, last, draft, input_ids, q = self._depth_step(self.model.layers[k], self.cache.depths[k],
+                                                                 input_ids, positions, hidden,
+                                                                 None if noise is None else noise[k], inv_temperature)
+            drafts.append(draft)
+            probs.append(q)
+        outputs = (torch.stack(drafts, dim=1), last)
+        return outputs + (torch.stack(probs, dim=1),) if noise is not None else outputs
+
+    def _greedy(self, input_ids, positions, hidden):
+        return self._round(input_ids, positions, hidden)
+
+    def _sampled(self, input_ids, positions, hidden, noise, inv_temperature):
+        return self._round(input_ids, positions, hidden, noise, inv_temperature)
 
     # -- public API ---------------------------------------------------------------------------------------------
 
     def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, *,
               temperature: float = 0.0, generator: torch.Generator | None = None,
               validate: bool = True) -> DraftResult:
-        """Run depth 0 over rows [B, T] and draft the token after each sequence's last real row.
+        """Run the round over rows [B, T] and draft K tokens after each sequence's last real row.
 
-        Row t of sequence b is (target hidden at ``positions[b, t]``, token at ``positions[b, t] + 1``); negative
-        positions mark padding rows, which may sit anywhere (left or right padding); the real rows of a sequence are
-        consecutive positions. ``validate`` checks every argument (:meth:`check`: one host sync); callers that
+        Row t of sequence b is (target hidden at ``positions[b, t]``, committed token at ``positions[b, t] + 1``);
+        negative positions mark padding rows, which may sit anywhere (left or right padding); the real rows of a
+        sequence are consecutive positions. While decoding, pass the rows verified since the last call (the drafter
+        re-runs stale rows itself). ``validate`` checks every argument (:meth:`check`: one host sync); callers that
         validated at their own boundary pass ``validate=False``, and then nothing is checked at all.
         """
         if validate:
@@ -208,7 +333,7 @@ class Drafter:
             outputs = [t[:batch].clone() for t in outputs]
         elif not exact:  # freshly allocated by the compiled step: views are safe to keep
             outputs = [t[:batch] for t in outputs]
-        return DraftResult(tokens=outputs[0], probs=outputs[2] if shape.sampled else None, hidden=outputs[1])
+        return DraftResult(drafts=outputs[0], draft_probs=outputs[2] if shape.sampled else None, hidden=outputs[1])
 
     def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """ValueError naming the problem for a bad batch, shape, id, position or value (one host sync)."""
@@ -225,7 +350,7 @@ class Drafter:
         self.model.check_inputs(input_ids, positions, hidden, self.cache, drafting=True)
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
-        """Compile and (on CUDA) capture every graph shape for ``batch_sizes`` now; returns the seconds it took."""
+        """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took."""
         batch_sizes = self.batch_buckets if batch_sizes is None else _bucket_sizes("batch_sizes", batch_sizes)
         if batch_sizes and batch_sizes[-1] > self.max_batch_size:
             raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
@@ -239,9 +364,10 @@ class Drafter:
         return time.perf_counter() - start
 
     def bucket(self, batch: int, rows: int) -> tuple[int, int]:
-        """The padded (batch, rows) shape a call of this size runs as."""
+        """The padded (batch, window rows) a call of ``rows`` new rows runs as (the window has at least K rows)."""
         padded_batch = next((b for b in self.batch_buckets if b >= batch), batch)
-        padded_rows = rows if rows in self.graph_rows else 1 << (rows - 1).bit_length()
+        window = max(rows, self.num_speculative_tokens)
+        padded_rows = window if window in self.graph_rows else 1 << (window - 1).bit_length()
         return padded_batch, padded_rows
 
     def static_step(self, batch: int, rows: int):
@@ -254,20 +380,20 @@ class Drafter:
         padded_batch, padded_rows = self.bucket(batch, rows)
         return self.cuda_graphs and padded_batch <= self.graph_batch_limit and padded_rows in self.graph_rows
 
-    # -- shapes, compilation, graphs ----------------------------------------------------------------------------
+    # -- buckets, compilation, graphs ---------------------------------------------------------------------------
 
-    def _shape(self, batch: int, rows: int, sampled: bool) -> _Shape:
+    def _shape(self, batch: int, rows: int, sampled: bool) -> _BucketBuffers:
         shape = self._shapes.get((batch, rows, sampled))  # calls of a bucket's exact size: one dict lookup
         if shape is None:
             key = (*self.bucket(batch, rows), sampled)
-            shape = self._shapes.get(key) or _Shape(self, *key)
+            shape = self._shapes.get(key) or _BucketBuffers(self, *key)
             self._shapes[key] = self._shapes[(batch, rows, sampled)] = shape
         if batch < shape.written[0] or rows < shape.written[1]:  # stale real rows would sit in this call's padding
             shape.positions.fill_(-1)
         shape.written = (batch, rows)
         return shape
 
-    def _execute(self, shape: _Shape) -> tuple[torch.Tensor, ...]:
+    def _execute(self, shape: _BucketBuffers) -> tuple[torch.Tensor, ...]:
         if shape.graph is not None:
             shape.graph.replay()
             return shape.outputs
@@ -283,9 +409,10 @@ class Drafter:
         shape.compiled = True
         return outputs
 
-    def _capture(self, shape: _Shape, step) -> tuple[torch.Tensor, ...]:
-        """Warm up on a side stream, then capture ``step`` on the shared pool (the cache writes are idempotent:
-        the same rows are rewritten with the same values during warm-up, capture and the first replay)."""
+    def _capture(self, shape: _BucketBuffers, step) -> tuple[torch.Tensor, ...]:
+        """Warm up on a side stream, then capture the whole round ``step`` (prologue and every depth's compiled step)
+        on the shared pool. Running a round again with the same inputs rewrites the same cache and history slots with
+        the same values, so the warm-up, the capture and the first replay leave the state as one call would."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -1,50 +1,61 @@
-"""Speculative decoding with the Inkling MTP draft head, K = 1 (spec §6.1-6.4, §6.7).
+"""Speculative decoding with the Inkling MTP draft head, K chained depths per round (docs/protocol.md §6.1-6.7).
 
 :func:`speculative_generate` drives a transformers Inkling target (``InklingForCausalLM`` or, text only,
 ``InklingForConditionalGeneration``) and a :class:`~inkling_compiled.runtime.drafter.Drafter` (or anything with its
-``draft`` / ``max_batch_size`` / ``max_length`` protocol):
+``draft`` / ``max_batch_size`` / ``max_length`` protocol; a one-draft drafter may return ``tokens`` [B] and ``probs``
+[B, V] instead of ``drafts`` [B, K] and ``draft_probs`` [B, K, V]):
 
 * **Prefill.** The target's base model runs the prompt with its own ``DynamicCache`` and returns the post-final-norm
   hidden ``h`` (spec §6.2); the logits are ``lm_head(h / logits_mup_width_multiplier)[..., :unpadded_vocab_size]``,
   the same operations as the target's own forward. ``x_L`` is the target's argmax (greedy) or a sample from the
-  processed target distribution ``p`` (temperature, then top-p). The drafter then runs depth 0 over every prompt row
-  ``t`` with ``(h_t, x_{t+1})`` (the last row carries ``x_L``) and drafts ``d_1``.
-* **Round.** The target verifies ``[x_F, d_1]`` at the next two positions; afterwards its cache is rolled back over
-  the rejected row: ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and
-  the short-conv states keep their history until ``cache.crop(-n)`` drops the last ``n`` rows (``crop(0)`` just trims
-  them back to their working size). The drafter is fed the verified rows (row F with ``x_{F+1}``, plus row F+1 with
-  the bonus token when it was accepted) with the target hiddens of those rows; its position-addressed caches need
-  no rollback for K = 1 (spec §6.4.3).
+  processed target distribution ``p`` (temperature, then top-p). The drafter then runs its K depths over every prompt
+  row ``t`` with ``(h_t, x_{t+1})`` (the last row carries ``x_L``) and drafts ``d_1..d_K``.
+* **Round.** The target verifies ``[x_F, d_1..d_K]`` at positions ``F..F+K`` in one forward. Greedy: the longest
+  prefix of drafts equal to the target's argmax is accepted, then the target's argmax follows (the correction, or the
+  bonus token at ``F+K+1`` when all K were accepted). Sampling: standard speculative sampling token by token, draft
+  ``d_j`` accepted with probability ``min(1, p_j(d_j) / q_j(d_j))`` against the distribution ``q_j`` of the depth that
+  drafted it, the first rejection replaced by a sample of ``normalize(max(0, p_j - q_j))``, the bonus token drawn from
+  ``p`` at ``F+K`` when all K were accepted. Afterwards the target's cache is rolled back over the rejected rows:
+  ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and the short-conv states
+  keep their history until ``cache.crop(-n)`` drops the last ``n`` rows (``crop(0)`` just trims them back to their
+  working size). The drafter is fed the verified rows (rows ``F..F+a`` with the committed tokens ``x_{F+1}..x_{F+a+1}``
+  and the target hiddens of those rows); it re-runs its own stale rows (spec §6.5).
 
 Lockstep batching and why it is lossless
 ----------------------------------------
 All sequences of a batch advance together (one cache, one crop length). In a round, every unfinished row ``b``
-decides ``acc_b`` for its own draft. Every row emits its token for position F+1: greedy, the target's argmax at
-F+1 (equal to ``d_1`` exactly when accepted); sampling, ``d_1`` if accepted, else a sample from
-``normalize(max(0, p - q))``. The bonus token for F+2 (argmax, or a sample from the target's distribution at F+1
-given ``x_{F+1} = d_1``) is emitted only if **all** unfinished rows accepted; otherwise it is dropped, the cache is
-cropped by one row for the whole batch, and rows that had accepted simply recompute F+1 in the next round.
+decides its own accepted count ``a_b`` (0..K) from its own drafts; the batch keeps ``a = min_b a_b`` (finished rows do
+not count) and every row emits ``a + 1`` tokens for positions ``F+1..F+a+1``: its drafts ``d_1..d_a`` and then, at
+``F+a+1``, ``d_{a+1}`` for a row that accepted it, else the row's own correction (greedy: the target's argmax;
+sampling: the residual sample), or the bonus token when ``a = K``. The other tokens of the round are dropped and the
+cache is cropped to the ``a + 1`` kept rows for the whole batch; rows that had accepted more drafts recompute them in
+the next round.
 
-* Greedy: every emitted token is the target's argmax given exactly the committed prefix of its row (the verify
-  rows see only committed tokens plus, at F+1, the draft that the row accepted, i.e. its committed token), so the
-  output equals greedy ``generate`` up to floating-point differences between a 2-row and a 1-row forward.
-* Sampling: for one row, the F+1 token has law ``p(. | prefix)`` whatever ``q`` is (standard speculative
-  sampling: ``P(x) = min(p, q)(x) + (1 - sum min(p, q)) * normalize(max(0, p - q))(x) = p(x)``). The bonus token is
-  drawn from ``p(. | prefix, x_{F+1})`` with randomness independent of every acceptance event, so conditioned on
-  ``x_{F+1}`` and on whether the batch keeps it, it still has law ``p(. | prefix, x_{F+1})``; when it is dropped
-  the next round draws ``x_{F+2}`` afresh from the same conditional law. Hence each emitted token, conditioned on
-  the row's past and on every scheduling decision made so far (which only depend on past tokens and independent
-  coins), is distributed as the target's next-token distribution: the row's sequence has exactly the law of
-  plain ancestral sampling, and rows are independent given their prompts. Other rows only change *when* a token
-  is drawn, never *from what*.
+* Greedy: every emitted token is the target's argmax given exactly the committed prefix of its row (the verify rows
+  up to ``F+a`` see only committed tokens: the drafts the row accepted), so the output equals greedy ``generate`` up
+  to floating-point differences between a (K+1)-row and a 1-row forward.
+* Sampling: for one row, speculative sampling has the property that, given the tokens emitted before position
+  ``F+j`` and that position ``F+j`` is reached, its token has law ``p(. | prefix)`` whatever ``q_j`` is
+  (``P(x) = min(p, q)(x) + (1 - sum min(p, q)) * normalize(max(0, p - q))(x) = p(x)``; ``q_j`` is drawn given the
+  previous drafts, which are the emitted tokens). Whether the row goes on to position ``F+j+1`` depends only on its
+  acceptance coin at ``F+j`` and on ``a``, i.e. on other rows' independent randomness, never on the value drawn next;
+  a token dropped by the lockstep is drawn afresh from the same conditional law in a later round, and the bonus
+  token is drawn from ``p(. | prefix, d_1..d_K)`` with randomness independent of every acceptance event. Hence each
+  emitted token, conditioned on the row's past and on every scheduling decision made so far, is distributed as the
+  target's next-token distribution: the row's sequence has exactly the law of plain ancestral sampling, and rows are
+  independent given their prompts. Other rows only change *when* a token is drawn, never *from what*.
+
+What lockstep costs: a round emits ``a + 1`` columns where a row on its own would have emitted ``a_b + 1``;
+``SpeculativeOutput.mean_accepted_length`` is the former, ``1 + sum(acceptance_per_position)`` the latter (they agree
+for batch 1).
 
 EOS / length (like ``generate``): once a row emits an EOS id it is finished and later columns hold
 ``pad_token_id`` (defaults to the first EOS id, as ``generate`` does); finished rows neither count as drafted nor
 block the batch's acceptance. Generation stops when every row is finished or ``max_new_tokens`` columns were
-emitted; a bonus column that would exceed ``max_new_tokens`` (or follow the column where every row finished) is
-never emitted. Top-p applies to the target distribution ``p`` only; ``q`` is whatever the drafter sampled from
-(``softmax(draft_logits / T)``), which keeps the result lossless (a ``q`` that puts mass outside the top-p set only
-lowers acceptance).
+emitted; columns past ``max_new_tokens``, or after the column where every row finished, are never emitted. Top-p
+applies to the target distribution ``p`` only; ``q`` is whatever the drafter sampled from
+(``softmax(draft_logits / T)`` per depth), which keeps the result lossless (a ``q`` that puts mass outside the top-p
+set only lowers acceptance).
 
 Host syncs: input validation, once, before any model call (the drafter is then called with ``validate=False``),
 and one ``.tolist()`` per round for the accept decision and stopping flags; the per-round statistics stay on the
@@ -88,10 +99,15 @@ class SpeculativeOutput:
     """Result of :func:`speculative_generate`.
 
     ``sequences``: ``[B, L + n]`` (the left-padded prompt followed by the ``n <= max_new_tokens`` new columns).
-    ``acceptance_rate`` = accepted drafts / drafted (counted per unfinished row and round).
-    ``mean_accepted_length`` = new columns emitted by the verify rounds / number of verify rounds (target forwards
-    after the prefill), i.e. tokens per sequence per target forward; for batch 1 it is ``1 + acceptance_rate`` up to
-    the final truncation (vLLM's "acceptance length"). The prefill's first token is not counted in either figure.
+    Counts are per unfinished row and round, each row counting the drafts *it* accepted (its longest accepted prefix,
+    before the lockstep cut). ``acceptance_rate`` = accepted drafts / drafted. ``acceptance_per_position[j]`` = the
+    fraction of (row, round) pairs in which draft ``j + 1`` was accepted together with every draft before it (vLLM's
+    per-position acceptance; with K = 1 it is ``[acceptance_rate]``). ``mean_accepted_length`` = new columns emitted by
+    the verify rounds / number of verify rounds (target forwards after the prefill), i.e. tokens per sequence per
+    target forward, the bonus / corrected token included (vLLM's "acceptance length"); for batch 1 it is
+    ``1 + sum(acceptance_per_position)`` up to the final truncation. The prefill's first token is not counted.
+    Per round: ``drafted_per_round`` (K x unfinished rows), ``accepted_per_round`` (their accepted drafts),
+    ``accepted_per_position_per_round`` (K counts: rows whose first j + 1 drafts were accepted), ``emitted_per_round``.
     """
 
     sequences: torch.LongTensor
@@ -101,8 +117,11 @@ class SpeculativeOutput:
     num_accepted: int
     acceptance_rate: float
     mean_accepted_length: float
+    num_speculative_tokens: int = 1
+    acceptance_per_position: list[float] = field(default_factory=list)
     drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
+    accepted_per_position_per_round: list[list[int]] = field(default_factory=list)
     emitted_per_round: list[int] = field(default_factory=list)
 
 
@@ -155,7 +174,7 @@ def target_distribution(logits: torch.Tensor, temperature: float, top_p: float =
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from (possibly unnormalized) ``probs`` [B, V], without a host sync (exponential race)."""
+    """One token per row from (possibly unnormalized) ``probs`` [..., V], without a host sync (exponential race)."""
     race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
     return (probs / race).argmax(dim=-1)
 
@@ -167,12 +186,13 @@ def _accept_mask(p_draft: torch.Tensor, q_draft: torch.Tensor, uniform: torch.Te
 
 def _verify_sampled(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept/reject ``draft`` [B] (sampled from ``q`` [B, V]) against the target distribution ``p`` [B, V].
+    """Accept/reject ``draft`` [...] (sampled from ``q`` [..., V]) against the target distribution ``p`` [..., V].
 
-    Returns (accepted [B] bool, token [B]): the draft when accepted, else a sample of normalize(max(0, p - q)).
+    Returns (accepted [...] bool, token [...]): the draft when accepted, else a sample of normalize(max(0, p - q)).
+    Every position is decided independently; the caller keeps the tokens up to the first rejection.
     """
-    p_d = p.gather(-1, draft[:, None]).squeeze(-1)
-    q_d = q.gather(-1, draft[:, None]).squeeze(-1).to(p.dtype)
+    p_d = p.gather(-1, draft[..., None]).squeeze(-1)
+    q_d = q.gather(-1, draft[..., None]).squeeze(-1).to(p.dtype)
     uniform = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
     accepted = _accept_mask(p_d, q_d, uniform)
     residual = (p - q.to(p.dtype)).clamp_min(0.0)
@@ -271,7 +291,8 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mas
                          max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                          eos_token_id: int | list[int] | torch.Tensor | None = None, pad_token_id: int | None = None,
                          generator: torch.Generator | None = None) -> SpeculativeOutput:
-    """Generate up to ``max_new_tokens`` tokens per sequence with K = 1 MTP speculative decoding (see module doc).
+    """Generate up to ``max_new_tokens`` tokens per sequence with MTP speculative decoding, as many drafts per round
+    as the drafter proposes (``Drafter(num_speculative_tokens=K)``; see the module doc).
 
     ``input_ids`` [B, L] is left-padded as described by ``attention_mask`` (1 = real token); ``temperature == 0``
     is greedy (``top_p`` ignored), otherwise tokens follow ``softmax(top_p(logits / temperature))`` exactly.
@@ -293,6 +314,16 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mas
                     generator=generator)
 
 
+def _proposals(result, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(drafts [B, K], draft distributions [B, K, V] or None) of a draft result (see the module doc)."""
+    drafts = getattr(result, "drafts", None)
+    if drafts is not None:
+        probs = result.draft_probs
+    else:  # a one-draft drafter: tokens [B], probs [B, V]
+        drafts, probs = result.tokens[:, None], None if result.probs is None else result.probs[:, None]
+    return drafts.to(device=device, dtype=torch.long), None if probs is None else probs.to(device)
+
+
 def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperature, top_p, eos, pad_token_id,
          generator) -> SpeculativeOutput:
     device = input_ids.device
@@ -300,7 +331,7 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     greedy = temperature == 0.0
     draft_temperature = 0.0 if greedy else temperature
     eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
-    pad = torch.full((batch,), pad_token_id, dtype=torch.long, device=device)
+    pad = torch.full((batch, 1), pad_token_id, dtype=torch.long, device=device)
     # A drafter may run in another dtype than the target (a bf16 / int8 draft head beside an fp32 target, holding its
     # own copy of the shared tensors): it gets the target's hiddens in its own dtype.
     draft_dtype = getattr(getattr(drafter, "model", None), "dtype", None)
@@ -318,11 +349,11 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True, dtype=draft_dtype)
     first = choose(logits[:, -1])
     finished = is_eos(first)
-    emitted = [first]
+    emitted = [first[:, None]]
     cache.activate_past_recording()  # after the prefill: only the verify rows need history for the rollback
 
     if max_new_tokens == 1 or (eos_t is not None and bool(finished.all())):  # done: no draft needed
-        return _output(input_ids, emitted, [], [])
+        return _output(input_ids, emitted, [], [], getattr(drafter, "num_speculative_tokens", 1))
 
     pad_left = length - attention_mask.sum(dim=1)  # [B]
     positions = torch.arange(length, device=device)[None, :] - pad_left[:, None]  # real-token positions, < 0 = pad
@@ -331,92 +362,92 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     # max_length): the drafter skips its own validation, which would read them again (host syncs).
     result = drafter.draft(draft_ids, positions, hidden, temperature=draft_temperature, generator=generator,
                            validate=False)
-    last = first  # x_F, the last committed token (not yet in the target cache)
-    last_pos = positions[:, -1] + 1  # F per sequence
+    drafts, q = _proposals(result, device)
+    k = drafts.shape[1]  # drafts per round
+    depth = torch.arange(k, device=device)
+    last = first[:, None]  # x_F, the last committed token (not yet in the target cache)
+    last_pos = positions[:, -1:] + 1  # F per sequence
     mask = attention_mask
 
     stats: list[torch.Tensor] = []
     emitted_cols: list[int] = []
     n_new = 1
     while n_new < max_new_tokens:
-        draft = result.tokens.to(device=device, dtype=torch.long)
-        # -- verify [x_F, d_1] at F, F+1 --------------------------------------------------------------------------
-        # Finished rows verify pad tokens, so their cache holds exactly what their output shows.
-        verify_ids = torch.stack([last, torch.where(finished, pad, draft)], dim=1)
-        mask = torch.cat([mask, mask.new_ones(batch, 2)], dim=1)
+        if drafts.shape[1] != k:
+            raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, {k} at the prefill")
+        # -- verify [x_F, d_1..d_K] at F..F+K; finished rows verify pad tokens, so their cache holds what they show --
+        verify_ids = torch.cat([last, torch.where(finished[:, None], pad, drafts)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(batch, k + 1)], dim=1)
         hidden, logits = _target_step(target, verify_ids, mask, cache, last_only=False, dtype=draft_dtype)
         if greedy:
-            token0 = logits[:, 0].argmax(-1)
-            accepted = token0 == draft
-            bonus = logits[:, 1].argmax(-1)
+            tokens = logits.argmax(-1)  # [B, K+1]: the target's token for F+1..F+K+1
+            accepted = tokens[:, :k] == drafts
         else:
-            if result.probs is None:
+            if q is None:
                 raise ValueError("the drafter returned no probs for temperature > 0")
-            q = result.probs.to(device)
             if q.shape[-1] != logits.shape[-1]:
                 raise ValueError(f"drafter probs cover {q.shape[-1]} tokens, target logits {logits.shape[-1]}")
-            accepted, token0 = _verify_sampled(target_distribution(logits[:, 0], temperature, top_p), q, draft,
-                                               generator)
-            bonus = _sample(target_distribution(logits[:, 1], temperature, top_p), generator)
+            p = target_distribution(logits, temperature, top_p)
+            accepted, tokens = _verify_sampled(p[:, :k], q, drafts, generator)
+            tokens = torch.cat([tokens, _sample(p[:, k], generator)[:, None]], dim=1)  # the bonus token last
         active = ~finished
-        all_accepted = (accepted | finished).all()
-        token0 = torch.where(finished, pad, token0)
-        finished0 = finished | is_eos(token0)
-        bonus = torch.where(finished0, pad, bonus)
-        finished1 = finished0 | is_eos(bonus)
-        round_stats = torch.stack([active.sum(), (accepted & active).sum()])
-        stats.append(round_stats)
-        # The one host sync of the round: keep the bonus? is everyone done?
-        keep_bonus, all_done0, all_done1 = (
-            bool(v) for v in torch.stack([all_accepted, finished0.all(), finished1.all()]).tolist())
-
-        emitted.append(token0)
-        n_new += 1
-        if all_done0 or n_new >= max_new_tokens:
-            emitted_cols.append(1)
+        accepted_len = accepted.long().cumprod(dim=1).sum(dim=1)  # a_b: the row's longest accepted prefix
+        lockstep = torch.where(finished, k, accepted_len).amin()
+        # column j of `tokens` is d_{j+1} for j < a_b, then the row's correction: every emitted column is valid
+        tokens = torch.where(finished[:, None], pad, tokens)
+        eos_hit = is_eos(tokens)
+        seen_eos = eos_hit.long().cumsum(dim=1)
+        tokens = torch.where(seen_eos - eos_hit.long() > 0, pad, tokens)  # columns after the row's first EOS
+        finished_after = finished[:, None] | (seen_eos > 0)  # [B, K+1]: finished once column j is emitted
+        prefix = (accepted_len[:, None] > depth) & active[:, None]  # [B, K]
+        stats.append(torch.cat([active.sum()[None] * k, (accepted_len * active).sum()[None], prefix.sum(dim=0)]))
+        # The one host sync of the round: how many columns to keep, after which of them everyone is done.
+        a, *all_done = torch.cat([lockstep[None], finished_after.all(dim=0).long()]).tolist()
+        keep = a + 1
+        done = next((j + 1 for j in range(keep) if all_done[j]), None)
+        emit = min(done or keep, max_new_tokens - n_new)
+        emitted.append(tokens[:, :emit])
+        emitted_cols.append(emit)
+        n_new += emit
+        finished = finished_after[:, emit - 1]
+        if done is not None or n_new >= max_new_tokens:
             break
-        if keep_bonus:
-            emitted.append(bonus)
-            n_new += 1
-            finished = finished1
-            emitted_cols.append(2)
-        else:
-            finished = finished0
-            emitted_cols.append(1)
-        if n_new >= max_new_tokens or (keep_bonus and all_done1):
-            break
-        # -- roll the target back over the rejected row, feed the drafter the verified rows ---------------------
-        kept = 2 if keep_bonus else 1
-        cache.crop(kept - 2)
-        if kept == 1:
-            mask = mask[:, :-1]
-        rows_ids = torch.stack([token0, bonus], dim=1)[:, :kept]
-        rows_pos = last_pos[:, None] + torch.arange(kept, device=device)[None, :]
-        result = drafter.draft(rows_ids, rows_pos, hidden[:, :kept], temperature=draft_temperature,
+        # -- roll the target back over the rejected rows, feed the drafter the verified rows ---------------------
+        cache.crop(keep - (k + 1))
+        mask = mask[:, :mask.shape[1] - (k + 1 - keep)]
+        rows_ids = tokens[:, :keep]
+        rows_pos = last_pos + torch.arange(keep, device=device)[None, :]
+        result = drafter.draft(rows_ids, rows_pos, hidden[:, :keep], temperature=draft_temperature,
                                generator=generator, validate=False)
-        last = rows_ids[:, -1]
-        last_pos = last_pos + kept
+        drafts, q = _proposals(result, device)
+        last = rows_ids[:, -1:]
+        last_pos = last_pos + keep
 
-    return _output(input_ids, emitted, stats, emitted_cols)
+    return _output(input_ids, emitted, stats, emitted_cols, k)
 
 
-def _output(input_ids, emitted: list[torch.Tensor], stats: list[torch.Tensor], emitted_cols: list[int]
+def _output(input_ids, emitted: list[torch.Tensor], stats: list[torch.Tensor], emitted_cols: list[int], k: int
             ) -> SpeculativeOutput:
-    sequences = torch.cat([input_ids, torch.stack(emitted, dim=1)], dim=1)
+    sequences = torch.cat([input_ids, *emitted], dim=1)
     per_round = torch.stack(stats).tolist() if stats else []
-    drafted = [int(d) for d, _ in per_round]
-    accepted_counts = [int(a) for _, a in per_round]
+    drafted = [int(r[0]) for r in per_round]
+    accepted_counts = [int(r[1]) for r in per_round]
+    per_position = [[int(c) for c in r[2:]] for r in per_round]
     num_drafted, num_accepted = sum(drafted), sum(accepted_counts)
     rounds = len(per_round)
+    drafting_rows = num_drafted // k
     return SpeculativeOutput(
         sequences=sequences,
-        num_new_tokens=len(emitted),
+        num_new_tokens=sequences.shape[1] - input_ids.shape[1],
         num_rounds=rounds,
         num_drafted=num_drafted,
         num_accepted=num_accepted,
         acceptance_rate=num_accepted / num_drafted if num_drafted else 0.0,
         mean_accepted_length=sum(emitted_cols) / rounds if rounds else 0.0,
+        num_speculative_tokens=k,
+        acceptance_per_position=[sum(c) / drafting_rows for c in zip(*per_position)] if drafting_rows else [],
         drafted_per_round=drafted,
         accepted_per_round=accepted_counts,
+        accepted_per_position_per_round=per_position,
         emitted_per_round=emitted_cols,
     )

@@ -6,7 +6,8 @@ raw ``model.llm.*`` / ``model.visual.*`` / ``model.audio.*`` names through its `
 loader. Raw names are the inverse of those conversion rules; every tensor, norm gains and scalars included, is random
 so that a swapped or mis-mapped tensor shows up as a numeric difference.
 
-Presets: ``tiny`` (tests), ``small`` (CPU benchmark), ``full`` (real text dims, 2 trunk layers; big machine only).
+Presets: ``tiny`` (tests), ``tiny8`` (tiny with Inkling's 8 MTP depths), ``small`` (CPU benchmark), ``full`` (real
+text dims, 2 trunk layers; big machine only).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ _VISION = {"patch_size": 2, "temporal_patch_size": 2, "num_channels": 3, "num_hi
            "num_attention_heads": 2}
 _AUDIO = {"n_mel_bins": 4, "mel_vocab_size": 8}
 _TOKENS = {"image_token_id": 4, "audio_token_id": 7, "image_bos_token_id": 5, "audio_bos_token_id": 6}
+INKLING_SLIDING_DEPTHS = (0, 2, 4, 5, 6, 7)  # the real checkpoint's sliding MTP depths (1 and 3 are full attention)
 # Text fields every preset shares (real Inkling values); each preset adds its dims.
 _TEXT_COMMON = {"d_rel": 16, "n_shared_experts": 1, "route_scale": 8.0, "sconv_kernel_size": 4, "hidden_act": "silu",
                 "logits_mup_width_multiplier": 24.0, "rms_norm_eps": 1e-6, "bos_token_id": 1}
@@ -96,6 +98,12 @@ def tiny_config(*, num_mtp_layers: int = 2, local_layer_ids=(0,), num_hidden_lay
                    text_overrides=text_overrides)
 
 
+def tiny8_config(**overrides) -> dict:
+    """``tiny`` with Inkling's eight MTP depths in its sliding / full pattern (depths 0, 2, 4, 5, 6, 7 sliding; 1 and 3
+    full) and so an 8-layer trunk: the K = 1..8 drafting tests and benchmark."""
+    return tiny_config(**{"num_mtp_layers": 8, "local_layer_ids": INKLING_SLIDING_DEPTHS, **overrides})
+
+
 def small_config(*, num_mtp_layers: int = 1, local_layer_ids=(0,), num_hidden_layers: int | None = None,
                  moe: bool = False, use_unpadded: bool = False, **text_overrides) -> dict:
     """H 1024, 16x64 heads (kv 4 full / 8 swa), dense MLP 2816, V 32000, W 128, E 256; 2 dense trunk layers."""
@@ -111,7 +119,7 @@ def small_config(*, num_mtp_layers: int = 1, local_layer_ids=(0,), num_hidden_la
                    unpadded_vocab_size=31872 if use_unpadded else None, text_overrides=text_overrides)
 
 
-def full_config(*, num_mtp_layers: int = 8, local_layer_ids=(0, 2, 4, 5, 6, 7), num_hidden_layers: int = 2,
+def full_config(*, num_mtp_layers: int = 8, local_layer_ids=INKLING_SLIDING_DEPTHS, num_hidden_layers: int = 2,
                 moe: bool = False, use_unpadded: bool = True, **text_overrides) -> dict:
     """Real Inkling text dims (spec §2.2) with a 2-layer trunk so it can be generated at all.
 
@@ -130,7 +138,7 @@ def full_config(*, num_mtp_layers: int = 8, local_layer_ids=(0, 2, 4, 5, 6, 7), 
                    unpadded_vocab_size=200058 if use_unpadded else None, text_overrides=text_overrides)
 
 
-PRESETS = {"tiny": tiny_config, "small": small_config, "full": full_config}
+PRESETS = {"tiny": tiny_config, "tiny8": tiny8_config, "small": small_config, "full": full_config}
 
 
 def preset_config(name: str, **overrides) -> dict:
@@ -494,7 +502,8 @@ def mtp_reference_tensors(path) -> dict[str, torch.Tensor]:
 
 
 __all__ = [
-    "FORMAT_VERSION", "PRESETS", "cached_checkpoint", "default_cache_root", "full_config", "greedy_generation_config",
-    "hf_causal_lm_from", "init_stats", "load_hf_mtp", "load_hf_target", "mtp_reference_tensors", "preset_config",
-    "randomize_", "raw_tensor_shapes", "small_config", "tiny_config", "write_checkpoint",
+    "FORMAT_VERSION", "INKLING_SLIDING_DEPTHS", "PRESETS", "cached_checkpoint", "default_cache_root", "full_config",
+    "greedy_generation_config", "hf_causal_lm_from", "init_stats", "load_hf_mtp", "load_hf_target",
+    "mtp_reference_tensors", "preset_config", "randomize_", "raw_tensor_shapes", "small_config", "tiny8_config",
+    "tiny_config", "write_checkpoint",
 ]

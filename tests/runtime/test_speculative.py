@@ -39,9 +39,6 @@ def make_target(*, vocab=128, unpadded=120, hidden=64, mlp=("dense", "sparse"), 
     return InklingForCausalLM(config).eval().requires_grad_(False)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return make_target()
 
 
 # ------------------------------------------------------------------------------------------------ stand-in drafter
@@ -229,8 +226,8 @@ def test_cache_after_rejection_matches_fresh_recompute(target, monkeypatch):
     recorded = []
     original = speculative._target_step
 
-    def spy(tgt, input_ids, attention_mask, cache, *, last_only):
-        hidden, logits = original(tgt, input_ids, attention_mask, cache, last_only=last_only)
+    def spy(tgt, input_ids, attention_mask, cache, *, last_only, **kwargs):
+        hidden, logits = original(tgt, input_ids, attention_mask, cache, last_only=last_only, **kwargs)
         if not last_only:
             recorded.append((input_ids.clone(), attention_mask.shape[1], logits.clone()))
         return hidden, logits
@@ -281,9 +278,13 @@ def exact_three_token_law(target, prompt, temperature, top_p):
 
 
 def chi_square_pvalue(samples: torch.Tensor, law: torch.Tensor) -> float:
+    """Goodness of fit of the rows of ``samples`` [N, n] to the joint ``law`` [V] * n (cells with expected count
+    < 5 pooled); 0 for a sample outside the law's support."""
     vocab = law.shape[0]
     n = samples.shape[0]
-    cells = (samples[:, 0] * vocab + samples[:, 1]) * vocab + samples[:, 2]
+    cells = torch.zeros(n, dtype=torch.long)
+    for column in samples.T:
+        cells = cells * vocab + column
     observed = torch.bincount(cells, minlength=law.numel()).double()
     expected = law.reshape(-1).double() * n
     if observed[expected == 0].sum() > 0:  # a sample outside the target's support (e.g. top-p removed it)

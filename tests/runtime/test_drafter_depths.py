@@ -1,0 +1,255 @@
+"""The K-depth drafter (docs/protocol.md §6.3-6.6): every depth's cache and output after a round equal a clean
+full-sequence recompute whatever the number of rejections, depths >= 1 see their full history, any padding layout,
+the per-depth draft distributions, the CUDA-graph contract (CPU stand-in), and no recompiles at K = 8 (compiled)."""
+
+import pytest
+import torch
+
+from inkling_compiled import passes
+from inkling_compiled.runtime import Drafter
+from tests.helpers import random_mtp, tiny_text_config
+from tests.runtime.test_drafter import cuda, emulate_graphs
+
+H, VOCAB = 64, 250
+SLIDING = [0, 2, 4, 5, 6, 7]  # Inkling's pattern: depths 1 and 3 full attention
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = random_mtp(tiny_text_config(num_mtp_layers=8, mtp_local_layer_ids=SLIDING))
+    model.lm_head_weight.mul_(30.0)  # peaked logits: drafts are not near-ties, so a wrong input changes them
+    return model
+
+
+def committed_stream(length, batch=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, length + 1), generator=gen), torch.randn(batch, length, H, generator=gen)
+
+
+def recompute(model, tokens, hidden, k):
+    """Clean full-sequence recompute of every depth over rows 0..F-1 (spec §6.3), into a fresh cache:
+    ``tokens`` x_0..x_F, ``hidden`` h_0..h_{F-1}. Returns (drafts [B, K], each depth's output [B, F, H], cache)."""
+    batch, rows = hidden.shape[:2]
+    cache = model.new_cache(batch, 64)
+    positions = torch.arange(rows).expand(batch, rows)
+    stream, previous, drafts, outputs = tokens[:, 1:], hidden, [], []
+    for depth in range(k):
+        previous = model(stream, positions, previous, cache=cache, depth=depth)
+        drafts.append(model.get_top_tokens(previous[:, -1]))
+        outputs.append(previous)
+        stream = torch.cat([stream[:, 1:], drafts[-1][:, None]], dim=1)
+    return torch.stack(drafts, dim=1), outputs, cache
+
+
+def assert_state_matches(drafter, result, model, tokens, hidden, k):
+    drafts, outputs, cache = recompute(model, tokens, hidden, k)
+    rows = hidden.shape[1]
+    assert torch.equal(result.drafts, drafts)
+    torch.testing.assert_close(result.hidden, outputs[-1][:, -1], atol=1e-5, rtol=0)
+    for depth in range(k):  # K, V and all four conv streams of every depth, at every position written so far
+        for got, want in zip(drafter.cache.depths[depth].tensors(), cache.depths[depth].tensors()):
+            torch.testing.assert_close(got[:, :rows], want[:, :rows], atol=1e-5, rtol=0)
+
+
+def verified_round(drafter, result, tokens, hidden, start, accepted, wrong=True):
+    """Emulate a verification that accepted ``accepted`` drafts and corrected the next one to a different token
+    (``wrong``), then feed the drafter the verified rows. Returns the new result and the committed stream."""
+    k = drafter.num_speculative_tokens
+    correction = (result.drafts[:, accepted] + 1) % VOCAB if wrong and accepted < k else tokens[:, start + accepted + 1]
+    committed = torch.cat([tokens[:, :start + 1], result.drafts[:, :accepted], correction[:, None]], dim=1)
+    rows = slice(start, start + accepted + 1)
+    positions = torch.arange(start, start + accepted + 1).expand(tokens.shape[0], -1)
+    return drafter.draft(committed[:, rows.start + 1:], positions, hidden[:, rows]), committed
+
+
+def test_num_speculative_tokens_is_checked(model):
+    assert Drafter(model, 1, 8, compile=False).num_speculative_tokens == 1
+    assert Drafter(model, 1, 8, compile=False, num_speculative_tokens=None).num_speculative_tokens == 8
+    for bad in (0, 9, -1, True, 2.0, "3"):
+        with pytest.raises(ValueError, match=rf"num_speculative_tokens must be an int in \[1, 8\] \(the model has 8 "
+                                             rf"loaded MTP depth\(s\).*got {bad!r}"):
+            Drafter(model, 1, 8, compile=False, num_speculative_tokens=bad)
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_every_depth_equals_a_full_recompute_after_any_number_of_rejections(model, k):
+    """Draft, reject with a deliberately wrong correction after 0..K accepted drafts, feed the verified rows (the
+    drafter re-runs its stale rows), twice in a row: every depth's cache and the drafts equal a clean recompute."""
+    prompt = 6
+    tokens, hidden = committed_stream(prompt + 2 * (k + 1))
+    for accepted in range(k + 1):
+        drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=k)
+        result = drafter.draft(tokens[:, 1:prompt + 1], torch.arange(prompt).expand(2, -1), hidden[:, :prompt])
+        assert_state_matches(drafter, result, model, tokens[:, :prompt + 1], hidden[:, :prompt], k)
+        start, stream = prompt, tokens
+        for rejected_round in (accepted, k - accepted):
+            result, committed = verified_round(drafter, result, stream, hidden, start, rejected_round)
+            start += rejected_round + 1
+            stream = torch.cat([committed, tokens[:, start + 1:]], dim=1)
+            assert_state_matches(drafter, result, model, committed, hidden[:, :start], k)
+
+
+def test_k1_reruns_nothing(model):
+    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False)
+    assert drafter.history is None and drafter.bucket(2, 1) == (2, 1) and drafter.graph_rows == (1, 2)
+
+
+def test_later_depths_see_their_full_history(model):
+    """Depth 1 (full attention) and depth 2 (sliding) at a late position: the drafter's output equals the
+    full-history recompute and differs from running that depth with an empty cache on the same row."""
+    rows = 20
+    tokens, hidden = committed_stream(rows)
+    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=3)
+    result = drafter.draft(tokens[:, 1:rows + 1], torch.arange(rows).expand(2, -1), hidden)
+    drafts, outputs, _ = recompute(model, tokens, hidden, 3)
+    torch.testing.assert_close(result.hidden, outputs[2][:, -1], atol=1e-5, rtol=0)
+    last = torch.full((2, 1), rows - 1)
+    for depth in (1, 2):
+        token = drafts[:, depth - 1:depth]  # depth k at the last row reads draft d_k
+        alone = model(token, last, outputs[depth - 1][:, -1:], cache=model.new_cache(2, 64), depth=depth)
+        assert (alone[:, 0] - outputs[depth][:, -1]).abs().max() > 1e-2
+
+
+def test_any_padding_layout_drafts_from_the_last_real_row(model):
+    """Right-, left- and mixed-padded rows give the drafts of the unpadded rows (K = 3, a decode round)."""
+    tokens, hidden = committed_stream(9)
+    results = []
+    for layout in ("none", "left", "right", "mixed"):
+        drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=3)
+        prefill = drafter.draft(tokens[:, 1:7], torch.arange(6).expand(2, -1), hidden[:, :6])
+        # two drafts accepted, the third corrected: the padded layouts re-run more stored rows, to the same values
+        ids = torch.cat([prefill.drafts[:, :2], tokens[:, 9:10]], dim=1)
+        positions, rows = torch.arange(6, 9).expand(2, -1).clone(), hidden[:, 6:9]
+        pad = torch.full((2, 2), -1)
+        if layout == "left":
+            ids, positions = torch.cat([ids[:, :2], ids], 1), torch.cat([pad, positions], 1)
+            rows = torch.cat([rows[:, :2], rows], 1)
+        if layout == "right":
+            ids, positions = torch.cat([ids, ids[:, :2]], 1), torch.cat([positions, pad], 1)
+            rows = torch.cat([rows, rows[:, :2]], 1)
+        if layout == "mixed":  # sequence 0 right-padded, sequence 1 left-padded
+            positions = torch.cat([positions, pad], 1)
+            positions[1] = torch.tensor([-1, -1, 6, 7, 8])
+            ids = torch.stack([torch.cat([ids[0], ids[0, :2]]), torch.cat([ids[1, :2], ids[1]])])
+            rows = torch.stack([torch.cat([rows[0], rows[0, :2]]), torch.cat([rows[1, :2], rows[1]])])
+        results.append(drafter.draft(ids, positions, rows))
+    for other in results[1:]:
+        assert torch.equal(other.drafts, results[0].drafts)
+        torch.testing.assert_close(other.hidden, results[0].hidden, atol=1e-5, rtol=0)
+
+
+def test_sampled_round_returns_every_depths_distribution(model):
+    tokens, hidden = committed_stream(8)
+    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=3)
+    temperature = 0.7
+    result = drafter.draft(tokens[:, 1:], torch.arange(8).expand(2, -1), hidden, temperature=temperature,
+                           generator=torch.Generator().manual_seed(0))
+    stream, previous = tokens[:, 1:], hidden
+    for depth in range(3):  # the chain with the sampled drafts: depth k's q given d_1..d_k
+        previous = model(stream, torch.arange(8).expand(2, -1), previous, depth=depth)
+        q = torch.softmax(model.compute_logits(previous[:, -1]) / temperature, dim=-1)
+        # cached (slot-addressed keys) vs full-sequence attention round differently in fp32; softmax at T = 0.7
+        # turns ~1e-6 in the logits into up to ~4e-5 in a probability
+        torch.testing.assert_close(result.draft_probs[:, depth], q, atol=1e-4, rtol=1e-4)
+        stream = torch.cat([stream[:, 1:], result.drafts[:, depth:depth + 1]], dim=1)
+    assert torch.equal(result.tokens, result.drafts[:, 0]) and torch.equal(result.probs, result.draft_probs[:, 0])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_graph_path_replays_the_whole_round(monkeypatch, model, temperature):
+    """The CUDA-graph contract with K = 3 (CPU stand-in graph): a round captured once and replayed gives the same
+    drafts, distributions and cache as without graphs; the capture's extra runs leave the stored rows intact."""
+    k, prompt = 3, 5
+    tokens, hidden = committed_stream(prompt + 16)
+    graphs = emulate_graphs(monkeypatch, Drafter(model, max_batch_size=2, max_length=64, compile=False,
+                                                 num_speculative_tokens=k))
+    plain = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=k)
+    outcomes = []
+    for drafter in (graphs, plain):
+        gen = torch.Generator().manual_seed(0)
+        results = [drafter.draft(tokens[:, 1:prompt + 1], torch.arange(prompt).expand(2, -1), hidden[:, :prompt],
+                                 temperature=temperature, generator=gen)]
+        start = prompt
+        for rows in (1, 4, 2, 3, 1, 4):  # verified rows a + 1 of successive rounds: windows of K and K + 1 rows
+            sl = slice(start, start + rows)
+            positions = torch.arange(sl.start, sl.stop).expand(2, -1)
+            results.append(drafter.draft(tokens[:, sl.start + 1:sl.stop + 1], positions, hidden[:, sl],
+                                         temperature=temperature, generator=gen, validate=False))
+            start += rows
+        outcomes.append(results)
+    assert {shape.rows for shape in graphs._shapes.values() if shape.graph is not None} == {3, 4}
+    for a, b in zip(*outcomes):
+        assert torch.equal(a.drafts, b.drafts) and torch.equal(a.hidden, b.hidden)
+        assert (a.draft_probs is None) == (temperature == 0)
+        assert a.draft_probs is None or torch.equal(a.draft_probs, b.draft_probs)
+    for got, want in zip(graphs.cache.depths, plain.cache.depths):  # every slot but the scratch one (padding)
+        assert all(torch.equal(x[:, :-1], y[:, :-1]) for x, y in zip(got.tensors(), want.tensors()))
+
+
+@torch.no_grad()
+def test_compiled_k8_matches_eager_without_recompiles_and_the_passes_fire(model):
+    """K = 8 compiled: one graph per depth geometry and window size (the passes fire in each), then 64 rounds at
+    advancing positions with every accepted count 0..8 and no recompile; drafts equal the eager drafter's."""
+    k, prompt = 8, 8
+    tokens, hidden = committed_stream(prompt + 64 * (k + 1))
+    options = {"options": {"fx_graph_cache": False}}  # a cache hit would skip our passes (their counts stay 0)
+    compiled = Drafter(model, 1, 640, num_speculative_tokens=k, compile_options=options)
+    eager = Drafter(model, 1, 640, compile=False, num_speculative_tokens=k)
+    tokens, hidden = tokens[:1], hidden[:1]
+
+    def feed(drafter, start, rows, **kwargs):
+        sl = slice(start, start + rows)
+        return drafter.draft(tokens[:, sl.start + 1:sl.stop + 1], torch.arange(sl.start, sl.stop)[None], hidden[:, sl],
+                             **kwargs)
+
+    passes.reset_match_counts()
+    first = [feed(d, 0, prompt) for d in (compiled, eager)]  # the prefill: a K-row window; then a K + 1-row one
+    second = [feed(d, prompt, k + 1) for d in (compiled, eager)]
+    # two geometries x two window sizes, each graph with its embedding + norms + concat and its muP head fused
+    assert passes.match_counts() == {"fuse_draft_input_embed": 4, "fuse_draft_input": 0, "fold_mup_scale": 4}
+    for a, b in (first, second):
+        assert torch.equal(a.drafts, b.drafts)
+    start = prompt + k + 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(64):
+            rows = i % (k + 2) or 1  # 1..9 verified rows: 0..8 accepted drafts
+            a, b = feed(compiled, start, rows, validate=False), feed(eager, start, rows, validate=False)
+            assert torch.equal(a.drafts, b.drafts), i
+            torch.testing.assert_close(a.hidden, b.hidden, atol=1e-4, rtol=0)
+            start += rows
+
+
+@pytest.mark.gpu
+@cuda
+@torch.no_grad()
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cuda_graph_of_the_whole_round_equals_the_compiled_round(temperature):
+    """K = 8 on CUDA: each decode bucket (8 and 9 rows) is one CUDA graph spanning the prologue and all eight depth
+    steps; replaying it gives the drafts, distributions, hiddens and caches of the same compiled round run without
+    graphs (the warm-up and capture runs left the stored rows and caches as one call would)."""
+    model = random_mtp(tiny_text_config(num_mtp_layers=8, mtp_local_layer_ids=SLIDING), dtype=torch.bfloat16).cuda()
+    model.lm_head_weight.mul_(30.0)
+    k, prompt = 8, 8
+    tokens, hidden = committed_stream(prompt + 40)
+    tokens, hidden = tokens.cuda(), hidden.to(device="cuda", dtype=torch.bfloat16)
+    graphs = Drafter(model, max_batch_size=2, max_length=64, num_speculative_tokens=k, cuda_graphs=True)
+    plain = Drafter(model, max_batch_size=2, max_length=64, num_speculative_tokens=k, cuda_graphs=False)
+    outcomes = []
+    for drafter in (graphs, plain):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        start, results = 0, []
+        for rows in (prompt, 1, 9, 3, 9, 1, 5, 9):  # the prefill (8 rows: a K-row window), then verified rows
+            sl = slice(start, start + rows)
+            positions = torch.arange(sl.start, sl.stop, device="cuda").expand(2, -1)
+            results.append(drafter.draft(tokens[:, sl.start + 1:sl.stop + 1], positions, hidden[:, sl],
+                                         temperature=temperature, generator=gen))
+            start += rows
+        outcomes.append(results)
+    assert graphs.uses_graph(2, 1) and graphs.uses_graph(2, 9)
+    assert {shape.rows for shape in graphs._shapes.values() if shape.graph is not None} == {8, 9}
+    for a, b in zip(*outcomes):
+        assert torch.equal(a.drafts, b.drafts) and torch.equal(a.hidden, b.hidden)
+        assert a.draft_probs is None or torch.equal(a.draft_probs, b.draft_probs)
+    for got, want in zip(graphs.cache.depths, plain.cache.depths):  # every slot but the scratch one (padding)
+        assert all(torch.equal(x[:, :-1], y[:, :-1]) for x, y in zip(got.tensors(), want.tensors()))
