@@ -2,9 +2,9 @@
 
 One call drafts one token per sequence from MTP depth 0: the rows given (the prompt at prefill, or the target's
 verified window while decoding) are written into the position-addressed cache and the logits of each sequence's last
-real row (its largest position, picked on the device) give the draft (spec §6.3-6.4). Shapes are bucketed so that
-compiled graphs are reused: the batch is padded up to a batch bucket and the rows up to a power of two, with padding
-rows at ``cache.pad_position`` (they touch only a scratch slot). Each (batch bucket, rows, greedy/sampled) shape
+real row (its largest position, picked on the device) give the draft (docs/protocol.md §6.3-6.4). Shapes are bucketed so
+that compiled graphs are reused: the batch is padded up to a batch bucket and the rows up to a power of two, with
+padding rows at ``cache.pad_position`` (they touch only a scratch slot). Each (batch bucket, rows, greedy/sampled) shape
 owns static input/output buffers; on CUDA the shapes in ``graph_rows`` are captured once as CUDA graphs sharing one
 memory pool and later only replayed. Greedy and sampled drafting both stay on the device: sampling uses the
 exponential-race form of the Gumbel trick (``argmax(q / E)``, ``E ~ Exp(1)``), with q the muP-correct draft

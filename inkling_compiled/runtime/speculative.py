@@ -1,20 +1,21 @@
-"""Speculative decoding with the Inkling MTP draft head, K = 1 (spec §6.1-6.4, §6.7).
+"""Speculative decoding with the Inkling MTP draft head, K = 1 (docs/protocol.md §6.1-6.4, §6.7).
 
 :func:`speculative_generate` drives a transformers Inkling target (``InklingForCausalLM`` or, text only,
 ``InklingForConditionalGeneration``) and a :class:`~inkling_compiled.runtime.drafter.Drafter` (or anything with its
 ``draft`` / ``max_batch_size`` / ``max_length`` protocol):
 
 * **Prefill.** The target's base model runs the prompt with its own ``DynamicCache`` and returns the post-final-norm
-  hidden ``h`` (spec §6.2); the logits are ``lm_head(h / logits_mup_width_multiplier)[..., :unpadded_vocab_size]``,
-  the same operations as the target's own forward. ``x_L`` is the target's argmax (greedy) or a sample from the
-  processed target distribution ``p`` (temperature, then top-p). The drafter then runs depth 0 over every prompt row
-  ``t`` with ``(h_t, x_{t+1})`` (the last row carries ``x_L``) and drafts ``d_1``.
+  hidden ``h`` (docs/protocol.md §6.2); the logits are
+  ``lm_head(h / logits_mup_width_multiplier)[..., :unpadded_vocab_size]``, the same operations as the target's own
+  forward. ``x_L`` is the target's argmax (greedy) or a sample from the processed target distribution ``p``
+  (temperature, then top-p). The drafter then runs depth 0 over every prompt row ``t`` with ``(h_t, x_{t+1})`` (the last
+  row carries ``x_L``) and drafts ``d_1``.
 * **Round.** The target verifies ``[x_F, d_1]`` at the next two positions; afterwards its cache is rolled back over
   the rejected row: ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and
   the short-conv states keep their history until ``cache.crop(-n)`` drops the last ``n`` rows (``crop(0)`` just trims
   them back to their working size). The drafter is fed the verified rows (row F with ``x_{F+1}``, plus row F+1 with
   the bonus token when it was accepted) with the target hiddens of those rows; its position-addressed caches need
-  no rollback for K = 1 (spec §6.4.3).
+  no rollback for K = 1 (docs/protocol.md §6.4 step 3).
 
 Lockstep batching and why it is lossless
 ----------------------------------------
