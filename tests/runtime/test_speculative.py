@@ -230,8 +230,8 @@ def test_cache_after_rejection_matches_fresh_recompute(target, monkeypatch):
     recorded = []
     original = speculative._target_step
 
-    def spy(tgt, input_ids, attention_mask, cache, *, last_only):
-        hidden, logits = original(tgt, input_ids, attention_mask, cache, last_only=last_only)
+    def spy(tgt, input_ids, attention_mask, cache, *, last_only, **kwargs):
+        hidden, logits = original(tgt, input_ids, attention_mask, cache, last_only=last_only, **kwargs)
         if not last_only:
             recorded.append((input_ids.clone(), attention_mask.shape[1], logits.clone()))
         return hidden, logits
