@@ -21,7 +21,8 @@
 #               floor, copy bandwidth
 #   chain   35  multi-depth drafting (issue 11): K = 1 vs K = 8 draft rounds with CUDA graphs
 #   aoti    35  the packaged AOTInductor step (issue 15): start-up and per-call rows
-#   quant   30  int8 / float8 weight-only GEMVs (issue 14)
+#   quant   30  int8 weight-only drafting (issue 14): its gpu tests, and the benchmark's quant section at the real
+#               per-depth dims (fp32 / bf16 / int8 depths / int8 depths + head against the fp32 GEMM floor)
 #   small  rest the benchmark at `small` (H 1024, V 32000), bf16, a synthetic checkpoint shared with transformers:
 #               cold / warm compile + CUDA-graph capture in subprocesses, kernels, latency (>= 25 s even when every
 #               stage before it runs to its limit)
@@ -211,8 +212,8 @@ log "OUT=$OUT device=$DEVICE full=$FULL_CONFIG small=$SMALL_CONFIG extra=[$EXTRA
 stage env 30 bash -c env_report
 [ -f "$SITE/.complete" ] && export PYTHONPATH="$REPO:$SITE${PYTHONPATH#"$REPO"}"
 stage graphs 60 bash -c 'gpu_tests -k cuda_graph'
-stage full 100 bash -c "bench full --config '$FULL_CONFIG' --weights random --skip compile,stock,e2e --context 128 \
-  --time-budget 10"
+stage full 100 bash -c "bench full --config '$FULL_CONFIG' --weights random --skip compile,stock,quant,e2e \
+  --context 128 --time-budget 10"
 E2E_SOURCE="--distill-steps 100"
 [ -d "$E2E_CHECKPOINT" ] && E2E_SOURCE="--e2e-checkpoint $E2E_CHECKPOINT"
 stage e2e 80 bash -c "bench e2e --skip compile,latency $E2E_SOURCE --e2e-prompts 2 --e2e-tokens 48"
@@ -221,10 +222,10 @@ stage tests 75 bash -c "gpu_tests -k 'not cuda_graph and not ($(echo $CHAIN $AOT
 stage chain 35 bash -c "feature depths '$CHAIN' --config '$FULL_CONFIG' --weights random --skip compile,stock,e2e \
   --time-budget 8"
 stage aoti 35 bash -c "feature packaged '$AOTI' --config '$SMALL_CONFIG' --skip stock,peer,floor,e2e --time-budget 8"
-stage quant 30 bash -c "feature quant '$QUANT' --config '$FULL_CONFIG' --weights random --skip compile,stock,e2e \
-  --time-budget 8"
-stage small rest bash -c "bench small --config '$SMALL_CONFIG' --skip e2e,stock --context 128 --recompile-steps 10 \
-  --time-budget 8 --probe-timeout 60"
+stage quant 30 bash -c "feature quant '$QUANT' --config '$FULL_CONFIG' --weights random --skip compile,latency,e2e \
+  --with quant --time-budget 8"
+stage small rest bash -c "bench small --config '$SMALL_CONFIG' --skip e2e,stock,quant --context 128 \
+  --recompile-steps 10 --time-budget 8 --probe-timeout 60"
 
 closing_table
 log "done in $(elapsed)s; $OUT holds: $(cd "$OUT" && ls | tr '\n' ' ')(tar: $(tar -tf "$TAR" 2>/dev/null | sort -u \

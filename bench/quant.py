@@ -29,6 +29,7 @@ from inkling_compiled.runtime.drafter import FAST_INDUCTOR_OPTIONS
 
 from . import step as S
 from .models import Models, load_models
+from .records import Stats
 from .timing import measure
 
 # (name, dtype, quantize_head or None for no quantization, fast Inductor options)
@@ -41,6 +42,9 @@ VARIANTS = (
     ("int8_head_fast", torch.bfloat16, True, True),
 )
 FLOOR = "fp32_gemm_floor"
+# The benchmark's schemes (``bench.records.Quant``): each the variant a user gets by default, so the int8 ones with
+# the fast options a quantized model compiles with
+SCHEMES = {"fp32": "fp32", "bf16": "bf16", "int8_depths": "int8_depths_fast", "int8_depths_head": "int8_head_fast"}
 
 
 def _models(preset: str, device: torch.device, dtype: torch.dtype, weights: str | None,
@@ -67,11 +71,39 @@ def _drafter(models: Models, batch: int, max_length: int, fast: bool) -> Drafter
     return Drafter(models.mtp, batch, max_length, graph_rows=(1,), compile_options={"options": options})
 
 
+def _variant(fp32: Models, name: str, dtype: torch.dtype, quantize_head: bool | None, fast: bool, batch: int,
+             context: int, max_length: int, weights: str | None):
+    """One variant's step (prefilled) and its row, timed once: the first call, compile included."""
+    models = fp32 if name == "fp32" else _models(fp32.preset, fp32.device, dtype, weights, quantize_head)
+    inputs = S.make_inputs(models, batch, context)
+    drafter = _drafter(models, batch, max_length, fast)
+    S.prefill(models, drafter, inputs)
+    step = S.step_fn(drafter, inputs)
+    with S.generated_code() as code:
+        start = time.perf_counter()
+        step()
+        if models.device.type == "cuda":
+            torch.cuda.synchronize(models.device)
+        first_call = time.perf_counter() - start
+    kernels = S.kernel_summary(code)
+    quantization = models.mtp.quantization
+    return step, {
+        "variant": name, "dtype": str(dtype).removeprefix("torch."),
+        "quantized": None if quantization is None else ("depths+head" if quantization.head else "depths"),
+        "inductor_options": "fast" if fast else "default", "bytes_per_step": _step_bytes(models, batch, context),
+        "head_copy_bytes": quantization.head_copy_bytes if quantization is not None else 0,
+        "first_call_s": first_call, "kernels": kernels["kernels"], "loop_nests": kernels["loop_nests"],
+        "extern_ops": kernels["extern_ops"]}
+
+
 def quant_rows(preset: str = "small", *, device: str = "cpu", weights: str | None = None, batch: int = 1,
                context: int = 64, max_length: int = 256, variants: tuple[str, ...] | None = None, warmup: int = 5,
-               rounds: int = 10, per_round: int = 5, progress=lambda msg: None) -> list[dict]:
+               rounds: int = 10, per_round: int = 5, budget_s: float | None = None, errors: dict | None = None,
+               progress=lambda msg: None) -> list[dict]:
     """One row per variant (see module doc; ``variants`` names a subset) plus the fp32 GEMM floor row, all timed in
-    one interleaved run. ``weights``: ``bench.models.load_models``'s (the preset's checkpoint, or random for full)."""
+    one interleaved run. ``weights``: ``bench.models.load_models``'s (the preset's checkpoint, or random for full).
+    With ``errors``, a variant that cannot be built (no kernel on the device, ...) is recorded there, name ->
+    message, and left out instead of raising."""
     device = torch.device(device)
     unknown = sorted(set(variants or ()) - {v[0] for v in VARIANTS})
     if unknown:
@@ -88,34 +120,33 @@ def quant_rows(preset: str = "small", *, device: str = "cpu", weights: str | Non
     for name, dtype, quantize_head, fast in VARIANTS:
         if variants is not None and name not in variants:
             continue
-        models = fp32 if name == "fp32" else _models(preset, device, dtype, weights, quantize_head)
-        inputs = S.make_inputs(models, batch, context)
         progress(f"{preset} b{batch}: compiling {name}")
-        drafter = _drafter(models, batch, max_length, fast)
-        S.prefill(models, drafter, inputs)
-        steps[name] = S.step_fn(drafter, inputs)
-        with S.generated_code() as code:
-            start = time.perf_counter()
-            steps[name]()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            first_call = time.perf_counter() - start
-        kernels = S.kernel_summary(code)
-        quantization = models.mtp.quantization
-        rows[name] = {
-            "variant": name, "dtype": str(dtype).removeprefix("torch."),
-            "quantized": None if quantization is None else ("depths+head" if quantization.head else "depths"),
-            "inductor_options": "fast" if fast else "default", "bytes_per_step": _step_bytes(models, batch, context),
-            "head_copy_bytes": quantization.head_copy_bytes if quantization is not None else 0,
-            "first_call_s": first_call, "kernels": kernels["kernels"], "loop_nests": kernels["loop_nests"],
-            "extern_ops": kernels["extern_ops"]}
+        try:
+            steps[name], rows[name] = _variant(fp32, name, dtype, quantize_head, fast, batch, context, max_length,
+                                               weights)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            if errors is None:
+                raise
+            progress(f"{preset} b{batch}: {name} FAILED: {type(e).__name__}: {e}")
+            errors[name] = f"{type(e).__name__}: {e}"[:1000]
     progress(f"{preset} b{batch}: timing {', '.join(steps)}")
-    stats = measure(steps, device=device, warmup=warmup, rounds=rounds, per_round=per_round)
+    stats = measure(steps, device=device, warmup=warmup, rounds=rounds, per_round=per_round, budget_s=budget_s)
     floor_ms = stats[FLOOR].median_ms
     for name, row in rows.items():
-        row.update(median_ms=stats[name].median_ms, p10_ms=stats[name].p10_ms, p90_ms=stats[name].p90_ms,
-                   x_fp32_floor=stats[name].median_ms / floor_ms, bytes_x_fp32=row["bytes_per_step"] / floor_bytes)
+        row.update(stats[name].to_dict(), x_fp32_floor=stats[name].median_ms / floor_ms,
+                   bytes_x_fp32=row["bytes_per_step"] / floor_bytes)
     return list(rows.values())
+
+
+def quant_record(rows: list[dict], batch: int, errors: dict[str, str]) -> dict:
+    """``bench.records.Quant`` of :func:`quant_rows`' rows (and ``errors``) for the variants in :data:`SCHEMES`."""
+    by_variant = {row["variant"]: row for row in rows}
+    schemes = {scheme: by_variant[variant] for scheme, variant in SCHEMES.items() if variant in by_variant}
+    return {"batch": batch, "fp32_floor_ms": by_variant[FLOOR]["median_ms"],
+            "schemes": {scheme: {"step": {k: row[k] for k in Stats.__annotations__},
+                                 "step_bytes": row["bytes_per_step"], "x_fp32_floor": row["x_fp32_floor"],
+                                 "compile_s": row["first_call_s"]} for scheme, row in schemes.items()},
+            "errors": {scheme: errors[variant] for scheme, variant in SCHEMES.items() if variant in errors}}
 
 
 def format_rows(rows: list[dict]) -> str:

@@ -36,6 +36,7 @@ class Settings(TypedDict):
     threads: int
     quick: bool
     skip: list[str]
+    opt_in: NotRequired[list[str]]  # the sections asked for with --with
 
 
 class Depth0(TypedDict):

@@ -223,6 +223,22 @@ def _latency_lines(lat: dict) -> list[str]:
     return lines
 
 
+def _quant_lines(q: dict) -> list[str]:
+    if q.get("error"):
+        return [f"quant: FAILED: {q['error']}"]
+    rows = [[f"quantized step, batch {q['batch']} (ms)", "median", "p10-p90", "x fp32 floor", "MB read", "compile s"]]
+    for name, sch in q["schemes"].items():
+        st = sch["step"]
+        rows.append([name, _ms(st["median_ms"]), f"{_ms(st['p10_ms'])}-{_ms(st['p90_ms'])}",
+                     f"{sch['x_fp32_floor']:.2f}x", f"{sch['step_bytes'] / 1e6:.2f}", _f(sch["compile_s"], "{:.1f}")])
+    lines = _rows(rows, "")
+    lines.append(f"  x fp32 floor: times the fp32 step's GEMMs alone ({_ms(q['fp32_floor_ms'])} ms), same run; "
+                 "int8 schemes compile with the drafter's fast Inductor options")
+    for name, msg in q["errors"].items():
+        lines.append(f"  {name}: FAILED: {msg}")
+    return lines
+
+
 def _e2e_lines(e2e: dict) -> list[str]:
     if e2e.get("error"):
         return [f"end to end: FAILED: {e2e['error']}"]
@@ -265,6 +281,8 @@ def format_table(result: dict) -> str:
             lines += [""] + _kernel_lines(cfg["kernels"])
         for lat in (cfg.get("latency") or {}).values():
             lines += [""] + _latency_lines(lat)
+        if cfg.get("quant"):
+            lines += [""] + _quant_lines(cfg["quant"])
         if cfg.get("error"):
             lines.append(f"FAILED: {cfg['error']}")
     if result.get("e2e"):

@@ -12,6 +12,8 @@ batch 1, context 64):
   also the bytes the step must read against measured copy bandwidth;
 * kernels: the generated code of those in-process compiles, stock Inductor vs with passes (definitions, launches,
   loop nests, extern calls, our passes' match counts);
+* quant (not on tiny unless ``--with quant``): the compiled step in fp32, bf16 and int8 weight-only (depths, depths
+  + head; ``bench.quant``) against the fp32 step's GEMM floor, at the first batch size;
 * end to end on a self-distilled tiny target: tokens/s and acceptance of our speculative generation vs the target
   alone vs transformers' ``generate(use_mtp=True)``.
 
@@ -58,8 +60,12 @@ SECTIONS = {
     "cudagraph": "the CUDA-graph variant (CUDA only)",
     "peer": "transformers' MtpModel (step and e2e)",
     "floor": "the GEMM-only floor",
+    "quant": "fp32 / bf16 / int8 weight-only draft step against the fp32 GEMM floor (by default not on tiny)",
     "e2e": "end-to-end speculative generation",
 }
+# Sections a preset runs only when asked with --with: on tiny the quant section's compiles (one per scheme) would
+# multiply the default run's time, for a step too small to be memory-bound
+OPT_IN = {"quant": frozenset({"tiny"})}
 
 _T0 = time.perf_counter()
 
@@ -81,6 +87,7 @@ class Settings:
     weights: str | None
     threads: int
     skip: frozenset[str]
+    with_: frozenset[str]
     quick: bool
     warmup: int
     rounds: int
@@ -95,14 +102,17 @@ class Settings:
     json_path: Path
     record: Path | None
 
-    def runs(self, section: str) -> bool:
-        return section not in self.skip
+    def runs(self, section: str, preset: str | None = None) -> bool:
+        """Whether ``section`` runs (for ``preset``: the opt-in ones only where asked)."""
+        if section in self.skip:
+            return False
+        return section in self.with_ or preset not in OPT_IN.get(section, ())
 
     def summary(self) -> dict:
         """``records.Settings``"""
         return {"configs": list(self.configs), "device": self.device, "dtype": self.dtype,
                 "batch_sizes": list(self.batch_sizes), "context": self.context, "max_length": self.max_length,
-                "threads": self.threads, "quick": self.quick, "skip": sorted(self.skip)}
+                "threads": self.threads, "quick": self.quick, "skip": sorted(self.skip), "opt_in": sorted(self.with_)}
 
 
 # ------------------------------------------------------------------------------------------------------ machine
@@ -283,9 +293,7 @@ def config_section(preset: str, s: Settings, copy_bw: float | None, out: dict, s
     if s.runs("compile"):
         out["compile"] = compile_section(preset, models.checkpoint, s)
         save(f"{preset}/compile")
-    if not s.runs("latency"):
-        return
-    for i, batch in enumerate(s.batch_sizes):
+    for i, batch in enumerate(s.batch_sizes if s.runs("latency") else ()):
         kernels = None
         if i == 0 and s.runs("kernels") and s.runs("compiled"):
             kernels = out["kernels"] = {"batch": batch, "no_passes": None, "passes": None, "matches_no_passes": {},
@@ -297,6 +305,24 @@ def config_section(preset: str, s: Settings, copy_bw: float | None, out: dict, s
 
         out["latency"][str(batch)] = latency_section(models, batch, s, copy_bw, kernels, publish)
         save(f"{preset}/latency/{batch}")
+    if s.runs("quant", preset):
+        try:
+            out["quant"] = quant_section(preset, s)
+        except Exception as e:  # noqa: BLE001 - keep the config's other sections
+            progress(f"{preset} quant: FAILED: {type(e).__name__}: {e}")
+            out["quant"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        save(f"{preset}/quant")
+
+
+def quant_section(preset: str, s: Settings) -> dict:
+    """``records.Quant``: every scheme of ``bench.quant.SCHEMES`` at the first batch size, in one timed run."""
+    from .quant import SCHEMES, quant_record, quant_rows
+
+    batch, errors = s.batch_sizes[0], {}
+    rows = quant_rows(preset, device=s.device, weights=s.weights, batch=batch, context=s.context,
+                      max_length=s.max_length, variants=tuple(SCHEMES.values()), warmup=s.warmup, rounds=s.rounds,
+                      per_round=s.per_round, budget_s=s.time_budget, errors=errors, progress=progress)
+    return quant_record(rows, batch, errors)
 
 
 # ------------------------------------------------------------------------------------------------------ e2e
@@ -336,6 +362,9 @@ def parse_args(argv=None) -> Settings:
                    help="torch intra-op threads on CPU (default 1: steadier on a shared machine)")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: "
                    + "; ".join(f"{name} ({what})" for name, what in SECTIONS.items()))
+    p.add_argument("--with", dest="with_", default="", metavar="SECTIONS",
+                   help="comma-separated sections to run where they are off by default: "
+                   + "; ".join(f"{name} (off for {', '.join(sorted(presets))})" for name, presets in OPT_IN.items()))
     p.add_argument("--quick", action="store_true", help="few iterations everywhere (smoke test, numbers are rough)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--rounds", type=int, default=None)
@@ -358,6 +387,12 @@ def parse_args(argv=None) -> Settings:
     skip = frozenset(x.strip() for x in a.skip.split(",") if x.strip())
     if skip - SECTIONS.keys():
         p.error(f"unknown section(s) to skip: {sorted(skip - SECTIONS.keys())}; choose from {', '.join(SECTIONS)}")
+    with_ = frozenset(x.strip() for x in a.with_.split(",") if x.strip())
+    if with_ - OPT_IN.keys():
+        p.error(f"--with names section(s) that are not opt-in: {sorted(with_ - OPT_IN.keys())}; choose from "
+                f"{', '.join(OPT_IN)}")
+    if with_ & skip:
+        p.error(f"section(s) both skipped and asked for with --with: {sorted(with_ & skip)}")
     try:
         batch_sizes = tuple(int(b) for b in a.batch_sizes.split(",") if b.strip())
     except ValueError:
@@ -378,8 +413,8 @@ def parse_args(argv=None) -> Settings:
         configs=tuple(c.strip() for c in a.config.split(",") if c.strip()), device=a.device,
         dtype=a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"), batch_sizes=batch_sizes,
         context=a.context, max_length=max_length, weights=a.weights,
-        threads=a.threads or (1 if a.device == "cpu" else torch.get_num_threads()), skip=skip, quick=a.quick,
-        probe_timeout=a.probe_timeout, distill_steps=a.distill_steps,
+        threads=a.threads or (1 if a.device == "cpu" else torch.get_num_threads()), skip=skip, with_=with_,
+        quick=a.quick, probe_timeout=a.probe_timeout, distill_steps=a.distill_steps,
         e2e_checkpoint=Path(a.e2e_checkpoint) if a.e2e_checkpoint else None,
         json_path=Path(a.json_path) if a.json_path else OUT_DIR / f"bench-{stamp}.json",
         record=Path(a.record) if a.record else None, **counts)
@@ -427,8 +462,9 @@ def _run(s: Settings, given: list[str]) -> dict:
     from .step import copy_bandwidth
 
     copy_bw = copy_bandwidth(torch.device(s.device)) if s.device.startswith("cuda") and s.runs("latency") else None
-    step_sections = s.runs("compile") or s.runs("latency")
-    for preset in s.configs if step_sections else ():
+    for preset in s.configs:
+        if not (s.runs("compile") or s.runs("latency") or s.runs("quant", preset)):
+            continue
         out = result["configs"][preset] = {"model": None, "compile": None, "kernels": None, "latency": {}}
         try:
             config_section(preset, s, copy_bw, out, save)

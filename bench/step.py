@@ -2,8 +2,8 @@
 
 Each variant first has its draft cache filled by an eager prefill of ``context`` rows (depth 0 over positions
 0..context-1), then times the step for row ``context`` (target hidden at that position, the next token) — the K=1
-decode step of spec §6.4. The step is repeated at the same position, so the context stays fixed (our caches are
-position-addressed: rewriting the row is the same work; transformers' cache is put back to its post-prefill state
+decode step of docs/protocol.md §6.4. The step is repeated at the same position, so the context stays fixed (our caches
+are position-addressed: rewriting the row is the same work; transformers' cache is put back to its post-prefill state
 after each call, untimed).
 
 Variants: ``eager`` (our modules through ``Drafter(compile=False)``), ``compiled_nopasses`` (``torch.compile`` with
@@ -74,8 +74,8 @@ def generated_code():
 
 
 def kernel_summary(code: list[str]) -> dict:
-    """Kernel definitions and launches of the compiled step's wrapper(s) (design §3), Python or C++ wrapper (the
-    drafter's CPU default is ``cpp_wrapper=True``), as ``records.KernelCounts``."""
+    """Kernel definitions and launches of the compiled step's wrapper(s) (docs/compile.md §6), Python or C++ wrapper
+    (the drafter's CPU default is ``cpp_wrapper=True``), as ``records.KernelCounts``."""
     return {**kernel_stats(code).to_dict(), "graphs": len(code)}
 
 

@@ -1,5 +1,5 @@
-"""Raw Inkling checkpoint directory <-> the MTP head's config and named tensors (spec §3). The file format lives here
-alone: this module knows config + safetensors, never the model.
+"""Raw Inkling checkpoint directory <-> the MTP head's config and named tensors (docs/model.md §3). The file format
+lives here alone: this module knows config + safetensors, never the model.
 
 The key map is the identity under ``model.mtp.`` (module names follow the checkpoint's), with one transform:
 ``mlp.w13_dn.weight`` rows are interleaved gate/up on disk and held as [gate; up] in memory. The three shared tensors
@@ -63,7 +63,7 @@ def raw_key(name: str) -> str:
 
 
 def interleave_rows(w: torch.Tensor) -> torch.Tensor:
-    """[gate; up] -> gate0, up0, gate1, up1, ... (the on-disk w13_dn layout, spec §3.4)."""
+    """[gate; up] -> gate0, up0, gate1, up1, ... (the on-disk w13_dn layout, docs/model.md §3.4)."""
     gate, up = w.chunk(2, dim=0)
     return torch.stack([gate, up], dim=1).reshape(w.shape)
 

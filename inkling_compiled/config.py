@@ -1,4 +1,4 @@
-"""The MTP view of an Inkling config: per-depth geometry and the few fields the draft head reads (spec §2).
+"""The MTP view of an Inkling config: per-depth geometry and the few fields the draft head reads (docs/model.md §2).
 
 transformers' config classes do the parsing (``InklingConfig`` promotes the top-level ``mtp_config`` into its
 ``text_config``); this module turns the result into a small frozen dataclass that the modules are built from, and
@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DepthGeometry:
-    """Attention geometry of one MTP depth (spec §2.3)."""
+    """Attention geometry of one MTP depth (docs/model.md §2.3)."""
 
     sliding: bool
     num_heads: int
@@ -34,7 +34,7 @@ class DepthGeometry:
     head_dim: int
     window: int | None  # keys visible including self; None = plain causal
     rel_extent: int  # E: relative bias is zero at distances >= E
-    log_scaling: bool  # apply tau (spec §4.6 step 5) on this depth
+    log_scaling: bool  # apply tau (docs/model.md §4.6 step 5) on this depth
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class MTPConfig:
         """Build from an ``InklingConfig`` or ``InklingTextConfig``, rejecting every value the head cannot work with.
 
         ``mtp_log_scaling`` applies tau on full-attention depths (SGLang / transformers); the default follows vLLM
-        and tokenspeed, which do not pass tau into the MTP block (spec §8 item 18).
+        and tokenspeed, which do not pass tau into the MTP block (docs/model.md §8 item 18).
         """
         if not isinstance(mtp_log_scaling, bool):
             raise TypeError(f"mtp_log_scaling must be a bool, got {mtp_log_scaling!r}")
@@ -206,7 +206,7 @@ FIELD_DEFAULTS = {"use_embed_norm": True, "use_global_scale": True}  # not Inkli
 def _depth_geometry(text: InklingTextConfig, sliding: bool, mtp_log_scaling: bool) -> DepthGeometry:
     if sliding:
         heads, kv, dim = text.swa_num_attention_heads, text.swa_num_key_value_heads, text.swa_head_dim
-        window = extent = text.sliding_window_size  # a sliding depth's bias extent is its window (spec §2.3)
+        window = extent = text.sliding_window_size  # a sliding depth's bias extent is its window (docs/model.md §2.3)
     else:
         heads, kv, dim = text.num_attention_heads, text.num_key_value_heads, text.head_dim
         window, extent = None, text.rel_extent

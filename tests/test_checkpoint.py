@@ -1,8 +1,8 @@
-"""Raw Inkling checkpoint layout <-> ``InklingMTP`` (spec §3, design §2): exact loading (w13 de-interleave, per-depth
-rel-bias widths), reading only what the draft needs, sharing the target's tensors without copies, a bit-exact
-save/load round trip, one clear message for every kind of broken checkpoint or argument, and saves that are atomic
-(a failure at any file leaves the directory byte-for-byte as it was), keep an index true to what was written and
-never destroy tensors they do not own."""
+"""Raw Inkling checkpoint layout <-> ``InklingMTP`` (docs/model.md §3, docs/architecture.md §3): exact loading (w13
+de-interleave, per-depth rel-bias widths), reading only what the draft needs, sharing the target's tensors without
+copies, a bit-exact save/load round trip, one clear message for every kind of broken checkpoint or argument, and saves
+that are atomic (a failure at any file leaves the directory byte-for-byte as it was), keep an index true to what was
+written and never destroy tensors they do not own."""
 
 from __future__ import annotations
 

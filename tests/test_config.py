@@ -1,5 +1,5 @@
-"""The MTP view of an Inkling config (spec §2): per-depth geometry, field aliases, and clear errors for values the
-draft head cannot be built from."""
+"""The MTP view of an Inkling config (docs/model.md §2): per-depth geometry, field aliases, and clear errors for values
+the draft head cannot be built from."""
 
 from __future__ import annotations
 

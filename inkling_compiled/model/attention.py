@@ -1,4 +1,4 @@
-"""Inkling relative-position attention for one MTP depth (spec §4.6).
+"""Inkling relative-position attention for one MTP depth (docs/model.md §4.6).
 
 q/k/v/r projections; short convs on K and V *before* k_norm; per-head q/k RMSNorm with one shared gain; scale
 1/head_dim (q and k are unit-RMS per head); a learned relative bias ``R[i, h, i-j]`` for ``0 <= i-j < E`` added after
@@ -34,7 +34,7 @@ class RelativeLogits(nn.Module):
 
 
 def log_scaling(positions: torch.Tensor, n_floor: int, alpha: float) -> torch.Tensor:
-    """tau_t = 1 + alpha * ln(max((pos_t + 1) / n_floor, 1)), fp32 [B, T] (spec §4.6 step 5)."""
+    """tau_t = 1 + alpha * ln(max((pos_t + 1) / n_floor, 1)), fp32 [B, T] (docs/model.md §4.6 step 5)."""
     return 1.0 + alpha * torch.log(((positions + 1).float() / n_floor).clamp(min=1.0))
 
 

@@ -1,5 +1,5 @@
-"""One Inkling decoder block as used by every MTP depth (spec §4.5): pre-norm attention and dense MLP, each branch
-passed through its own short conv *before* the residual add. No final norm."""
+"""One Inkling decoder block as used by every MTP depth (docs/model.md §4.5): pre-norm attention and dense MLP, each
+branch passed through its own short conv *before* the residual add. No final norm."""
 
 from __future__ import annotations
 

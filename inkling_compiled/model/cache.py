@@ -1,4 +1,4 @@
-"""Static, position-addressed draft caches (spec §6.6).
+"""Static, position-addressed draft caches (docs/protocol.md §6.6).
 
 Per depth: K (post-sconv, post-k_norm) and V (post-sconv) per absolute position, and the four short-conv input
 streams (k, v, attention branch, MLP branch) per absolute position. Buffers are allocated once with fixed addresses

@@ -1,5 +1,5 @@
 """The input side of an MTP depth: embedding lookup, the two embedding norms, the hidden norm, the concat
-(spec §4.2-4.4).
+(docs/model.md §4.2-4.4).
 
 Kept as plain functions so the Inductor pass ``inkling_compiled.passes.fuse_draft_input`` traces exactly these to
 build its patterns: what the pass matches is, by construction, what the model emits.
@@ -15,7 +15,8 @@ def normed_embedding(table: torch.Tensor, input_ids: torch.Tensor, pre_norm_weig
                      eps: float) -> torch.Tensor:
     """``bf16(embed_norm(E[x]))``: the target's own normed token embedding (skipped norm when it has none).
 
-    The result is in the table's dtype, i.e. rounded between the backbone norm and the depth's norm (spec §4.2).
+    The result is in the table's dtype, i.e. rounded between the backbone norm and the depth's norm
+    (docs/model.md §4.2).
     """
     embeds = F.embedding(input_ids, table)
     if pre_norm_weight is None:

@@ -1,4 +1,4 @@
-"""The shared LM head with muP (spec §5): logits = (g / mup) @ U^T, truncated to the unpadded vocab.
+"""The shared LM head with muP (docs/model.md §5): logits = (g / mup) @ U^T, truncated to the unpadded vocab.
 
 A plain function so the pass ``inkling_compiled.passes.fold_mup_scale`` traces the same graph the model emits; under
 ``torch.compile`` the division is folded into the GEMM's alpha.

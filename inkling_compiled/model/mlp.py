@@ -1,4 +1,4 @@
-"""Dense MTP MLP: ``global_scale * W_down(act(W_gate m) * (W_up m))`` (spec §4.5, §8 items 6, 13, 14).
+"""Dense MTP MLP: ``global_scale * W_down(act(W_gate m) * (W_up m))`` (docs/model.md §4.5, §8 items 6, 13, 14).
 
 ``w13_dn`` is held as ONE [2I, H] GEMM whose rows are [gate; up]. The checkpoint interleaves them
 (gate, up, gate, up, ...); ``inkling_compiled.checkpoint`` de-interleaves on load and re-interleaves on save.

@@ -1,4 +1,4 @@
-"""The MTP depth layer and ``InklingMTP``, the public draft head (spec §4, §5; design §2).
+"""The MTP depth layer and ``InklingMTP``, the public draft head (docs/model.md §4, §5; docs/architecture.md §3).
 
 Depth k at row t reads (previous hidden g^{k-1}_t, token x_{t+k+1}) at the target's absolute position t and returns
 its raw block output g^k_t, which is both the next depth's hidden and (divided by muP) the shared LM head's input.
@@ -25,7 +25,7 @@ from .norm import RMSNorm
 
 
 class MTPDepth(nn.Module):
-    """hidden_norm / embed_norm / concat / input_proj (2H -> H) / one decoder block (spec §4.4-4.5)."""
+    """hidden_norm / embed_norm / concat / input_proj (2H -> H) / one decoder block (docs/model.md §4.4-4.5)."""
 
     def __init__(self, config: MTPConfig, geometry: DepthGeometry):
         super().__init__()
@@ -45,7 +45,7 @@ class MTPDepth(nn.Module):
 class InklingMTP(nn.Module):
     """Inkling's multi-token-prediction draft head: any number of depths over the target's shared tensors."""
 
-    SHARED = tuple(SHARED_KEYS)  # the target's tensors (spec §3.1)
+    SHARED = tuple(SHARED_KEYS)  # the target's tensors (docs/model.md §3.1)
     _target_ref: weakref.ref | None = None  # the module whose own Parameters fill SHARED (loaded with `target=`)
 
     def __init__(self, config: MTPConfig):
@@ -54,7 +54,8 @@ class InklingMTP(nn.Module):
         h, v = config.hidden_size, config.vocab_size
         self.layers = nn.ModuleList(MTPDepth(config, g) for g in config.depths)
         self.chain_norm = RMSNorm(h, config.rms_norm_eps) if config.chain_hidden_post_norm else None
-        # Shared with the target (spec §3.1): replaced by the target's own Parameters when loaded with `target=`.
+        # Shared with the target (docs/model.md §3.1): replaced by the target's own Parameters when loaded with
+        # `target=`.
         self.embed_weight = nn.Parameter(torch.zeros(v, h))
         self.embed_norm_weight = nn.Parameter(torch.ones(h)) if config.use_embed_norm else None
         self.lm_head_weight = nn.Parameter(torch.zeros(v, h))
@@ -65,7 +66,7 @@ class InklingMTP(nn.Module):
         self.quantized_head: Int8Linear | None = None
         self.quantization: Quantization | None = None
 
-    # -- public API (design §2) ------------------------------------------------------------------------------------
+    # -- public API (docs/architecture.md §3) --------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -150,9 +151,9 @@ class InklingMTP(nn.Module):
         [B, T, H].
 
         ``input_ids`` are the tokens x_{t+depth+1}; ``inputs_embeds`` replaces them with already backbone-normed
-        embeddings (multimodal rows, spec §7), to which only the depth's own embed_norm is applied. With a cache the
-        rows are written at their positions (``cache.pad_position`` marks padding rows); without one the rows are the
-        whole sequence. Eager calls are validated first (:meth:`check_inputs`, one host sync); traced calls
+        embeddings (multimodal rows, docs/model.md §7), to which only the depth's own embed_norm is applied. With a
+        cache the rows are written at their positions (``cache.pad_position`` marks padding rows); without one the rows
+        are the whole sequence. Eager calls are validated first (:meth:`check_inputs`, one host sync); traced calls
         (``torch.compile``) are not, and callers that validated once at their own boundary use
         :meth:`forward_unchecked`.
         """

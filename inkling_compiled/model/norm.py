@@ -1,4 +1,4 @@
-"""RMSNorm, the one norm every Inkling MTP module uses (spec §4.1, §4.9).
+"""RMSNorm, the one norm every Inkling MTP module uses (docs/model.md §4.1, §4.9).
 
 Computed in fp32 and rounded once to the input dtype: ``w * x / sqrt(mean(x^2) + eps)``. This is vLLM's rounding
 (``x * rstd * w`` in fp32, one cast); transformers rounds the normalised value before the gain, a <= 1-ulp

@@ -1,10 +1,11 @@
-"""Short convolution: depthwise causal conv with K taps and an identity residual, in fp32 (spec §4.7, §6.6).
+"""Short convolution: depthwise causal conv with K taps and an identity residual, in fp32 (docs/model.md §4.7,
+docs/protocol.md §6.6).
 
 ``SConv(x)_t = x_t + sum_k w[:, 0, k] * x_{t-(K-1)+k}`` with x = 0 before position 0, rounded once to x's dtype.
-With a cache the conv *inputs* are stored by absolute position (spec §6.6): the current rows are written first, then
-all K taps are read back by position, so re-running a position simply overwrites its slot and rollback is free.
-A row's taps are its own sequence's earlier positions; slots before position 0 enter as exact zeros (a select, not a
-multiply), so whatever a cache slot holds reaches only the rows whose taps cover it.
+With a cache the conv *inputs* are stored by absolute position (docs/protocol.md §6.6): the current rows are written
+first, then all K taps are read back by position, so re-running a position simply overwrites its slot and rollback is
+free. A row's taps are its own sequence's earlier positions; slots before position 0 enter as exact zeros (a select, not
+a multiply), so whatever a cache slot holds reaches only the rows whose taps cover it.
 """
 
 import torch

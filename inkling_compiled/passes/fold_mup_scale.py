@@ -1,4 +1,4 @@
-"""The muP LM head as one GEMM with the scale in its alpha (design §3 "Fusion 2"; spec §5).
+"""The muP LM head as one GEMM with the scale in its alpha (docs/compile.md §5; docs/model.md §5).
 
 The model emits ``mup_logits``: ``F.linear(hidden / mup, U)[..., :vocab]``. Post-grad that is
 ``div -> (reshape) -> mm(., permute(U)) -> (reshape) -> slice``: a pointwise kernel for the division and an extern

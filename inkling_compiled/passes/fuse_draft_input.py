@@ -1,4 +1,4 @@
-"""An MTP depth's input block as one reduction kernel (design §3 "Fusion 1"; spec §4.2-§4.4).
+"""An MTP depth's input block as one reduction kernel (docs/compile.md §4; docs/model.md §4.2-§4.4).
 
 What the model emits per depth (``inkling_compiled.model.depth_input``)::
 
@@ -97,8 +97,8 @@ def _embed_replace(hidden_first: bool):
 
         def depth_norm_input():
             # Row of the hidden: the hidden itself. Row of the embedding: its backbone norm, rounded to the table
-            # dtype (spec §4.9). The backbone norm of the hidden row is computed too, then discarded: that keeps
-            # both reductions in the same [..., 2] iteration space.
+            # dtype (docs/model.md §4.9). The backbone norm of the hidden row is computed too, then discarded: that
+            # keeps both reductions in the same [..., 2] iteration space.
             gathered = normed_embedding(table, input_ids, None, eps)
             x = _rows(*_ordered(hidden_first, hidden, gathered))
             return torch.where(embed_row, rms_norm(x, pre_norm_weight, eps), x)

@@ -6,8 +6,9 @@
 [B, V] instead of ``drafts`` [B, K] and ``draft_probs`` [B, K, V]):
 
 * **Prefill.** The target's base model runs the prompt with its own ``DynamicCache`` and returns the post-final-norm
-  hidden ``h`` (spec §6.2); the logits are ``lm_head(h / logits_mup_width_multiplier)[..., :unpadded_vocab_size]``,
-  the same operations as the target's own forward. ``x_L`` is the target's argmax (greedy) or a sample from the
+  hidden ``h`` (docs/protocol.md §6.2); the logits are
+  ``lm_head(h / logits_mup_width_multiplier)[..., :unpadded_vocab_size]``, the same operations as the target's own
+  forward. ``x_L`` is the target's argmax (greedy) or a sample from the
   processed target distribution ``p`` (temperature, then top-p). The drafter then runs its K depths over every prompt
   row ``t`` with ``(h_t, x_{t+1})`` (the last row carries ``x_L``) and drafts ``d_1..d_K``.
 * **Round.** The target verifies ``[x_F, d_1..d_K]`` at positions ``F..F+K`` in one forward. Greedy: the longest
@@ -19,7 +20,7 @@
   ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and the short-conv states
   keep their history until ``cache.crop(-n)`` drops the last ``n`` rows (``crop(0)`` just trims them back to their
   working size). The drafter is fed the verified rows (rows ``F..F+a`` with the committed tokens ``x_{F+1}..x_{F+a+1}``
-  and the target hiddens of those rows); it re-runs its own stale rows (spec §6.5).
+  and the target hiddens of those rows); it re-runs its own stale rows (docs/protocol.md §6.5).
 
 Lockstep batching and why it is lossless
 ----------------------------------------

@@ -1,4 +1,4 @@
-"""Counting what Inductor generated: kernel definitions, kernel launches, loop nests, extern calls (design §3).
+"""Counting what Inductor generated: kernel definitions, kernel launches, loop nests, extern calls (docs/compile.md §6).
 
 ``metrics.generated_kernel_count`` is not a launch count, so this reads the wrapper code that
 ``torch._inductor.utils.run_and_get_code`` returns: a Python wrapper (``cpp_fused_*`` and Triton kernels defined

@@ -1,4 +1,4 @@
-"""Synthetic Inkling checkpoints in the real raw on-disk layout (spec §3), generated locally and seeded.
+"""Synthetic Inkling checkpoints in the real raw on-disk layout (docs/model.md §3), generated locally and seeded.
 
 One directory serves both sides: transformers loads it (``InklingForConditionalGeneration.from_pretrained`` maps the
 raw ``model.llm.*`` / ``model.visual.*`` / ``model.audio.*`` names through its ``inkling_mm_model`` conversion rules,
@@ -121,7 +121,7 @@ def small_config(*, num_mtp_layers: int = 1, local_layer_ids=(0,), num_hidden_la
 
 def full_config(*, num_mtp_layers: int = 8, local_layer_ids=INKLING_SLIDING_DEPTHS, num_hidden_layers: int = 2,
                 moe: bool = False, use_unpadded: bool = True, **text_overrides) -> dict:
-    """Real Inkling text dims (spec §2.2) with a 2-layer trunk so it can be generated at all.
+    """Real Inkling text dims (docs/model.md §2.2) with a 2-layer trunk so it can be generated at all.
 
     Our loader reads it fine; transformers' ``MtpModel.from_pretrained`` needs ``num_hidden_layers >= 8`` (its layer
     renumbering), so pass ``num_hidden_layers=8`` when transformers must load the MTP too.

@@ -2,7 +2,8 @@
 
 Random MTP weights draft nothing the target accepts, so an honest end-to-end speed-up needs a draft head that has
 learnt the target. This module trains the MTP depths of a raw-layout Inkling checkpoint (the target frozen, its
-embedding / embed_norm / LM head shared and frozen too) with the spec's alignment (spec §4.1, §6.1):
+embedding / embed_norm / LM head shared and frozen too) with the spec's alignment (docs/model.md §4.1,
+docs/protocol.md §6.1):
 
     depth k at row t reads (g^{k-1}_t, x_{t+k+1}) and is trained to predict x_{t+k+2},   g^{-1}_t = h_t
 

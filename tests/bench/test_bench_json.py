@@ -52,6 +52,7 @@ def test_json_conforms_to_the_records_after_every_section(quick):
     assert kernels["passes"]["launches"] == kernels["passes"]["kernel_launches"] + kernels["passes"]["extern_calls"]
     assert sum(kernels["matches_passes"].values()) >= 1  # our passes fired on the real step
     assert on_disk["configs"]["tiny"]["compile"] is None  # skipped
+    assert "quant" not in on_disk["configs"]["tiny"]  # opt-in on tiny (--with quant)
 
     broken = copy.deepcopy(on_disk)
     del broken["machine"]["cpu"]
@@ -91,7 +92,9 @@ def test_results_stay_out_of_the_tracked_tree_unless_recorded():
 
 @pytest.mark.parametrize("argv, message", [(["--skip", "compiel"], "unknown section(s) to skip: ['compiel']"),
                                            (["--no-compile"], "unrecognized arguments: --no-compile"),
-                                           (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated")])
+                                           (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated"),
+                                           (["--with", "latency"], "not opt-in: ['latency']; choose from quant"),
+                                           (["--with", "quant", "--skip", "quant"], "both skipped and asked for")])
 def test_bad_arguments_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit):
         run.parse_args(argv)

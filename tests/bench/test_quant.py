@@ -1,8 +1,13 @@
-"""``bench.quant``: the quantized-drafting rows (fp32 floor first, then the variants asked for) on the tiny preset."""
+"""``bench.quant``: the quantized-drafting rows (fp32 floor first, then the variants asked for) on the tiny preset,
+and the benchmark's ``quant`` section built from them."""
+
+import json
 
 import pytest
 
+from bench import plots, quant, report, run
 from bench.quant import FLOOR, format_rows, quant_rows
+from bench.records import problems
 
 
 def test_rows_of_an_int8_variant_against_the_fp32_floor():
@@ -21,3 +26,42 @@ def test_rows_of_an_int8_variant_against_the_fp32_floor():
 def test_unknown_variants_are_refused_before_loading_anything():
     with pytest.raises(ValueError, match=r"unknown variants \['int4'\]: choose from \['fp32', 'bf16'"):
         quant_rows("tiny", variants=("bf16", "int4"))
+
+
+def test_the_quant_section_of_a_run_conforms_to_the_records(tmp_path, monkeypatch):
+    built = quant._drafter
+
+    def drafter(models, batch, max_length, fast):
+        if models.mtp.quantization is not None:
+            raise RuntimeError("no int8 kernel here")
+        return built(models, batch, max_length, fast)
+
+    monkeypatch.setattr(quant, "SCHEMES", {"fp32": "fp32", "int8_depths": "int8_depths_fast"})  # one compile
+    monkeypatch.setattr(quant, "_drafter", drafter)
+    path = tmp_path / "result.json"
+    result = run.run(["--quick", "--config", "tiny", "--skip", "compile,latency,e2e", "--with", "quant",
+                      "--json", str(path)])
+    on_disk = json.loads(path.read_text())
+    assert problems(on_disk) == [] and on_disk["completed"] == ["tiny/models", "tiny/quant", "tiny"]
+    assert on_disk["settings"]["opt_in"] == ["quant"]
+    q = on_disk["configs"]["tiny"]["quant"]
+    assert (q["batch"], list(q["schemes"]), q["errors"]) == (1, ["fp32"], {"int8_depths": "RuntimeError: no int8 "
+                                                                            "kernel here"})
+    fp32 = q["schemes"]["fp32"]
+    assert fp32["x_fp32_floor"] == fp32["step"]["median_ms"] / q["fp32_floor_ms"] and fp32["compile_s"] > 0
+    assert fp32["step_bytes"] > 0 and fp32["step"]["n"] > 0
+    table = report.format_table(result)
+    assert "quantized step, batch 1 (ms)" in table and "int8_depths: FAILED: RuntimeError: no int8 kernel" in table
+    panels, _ = plots.plan(result)
+    assert [p.title for p in panels] == ["tiny: weight-only quantized step (batch 1)"]
+
+
+def test_a_section_that_raises_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    def quant_rows(*args, **kwargs):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(quant, "quant_rows", quant_rows)
+    result = run.run(["--quick", "--config", "tiny", "--skip", "compile,latency,e2e", "--with", "quant",
+                      "--json", str(tmp_path / "result.json")])
+    assert result["configs"]["tiny"]["quant"] == {"error": "RuntimeError: broken"} and problems(result) == []
+    assert "quant: FAILED: RuntimeError: broken" in report.format_table(result)

@@ -1,8 +1,8 @@
 """Parity with transformers' own MtpModel / InklingDecoderLayer on tiny fp32 configs (the ground truth for block math).
 
-transformers differs from the spec in two known ways (spec §8 items 2 and 10, §9), neutralised here: it feeds the raw
-embedding (both sides get the same raw embedding through ``inputs_embeds``), and it applies no sliding window on its
-MTP path (sliding depths are compared on sequences no longer than the window).
+transformers differs from the spec in two known ways (docs/model.md §8 items 2 and 10, §9), neutralised here: it feeds
+the raw embedding (both sides get the same raw embedding through ``inputs_embeds``), and it applies no sliding window on
+its MTP path (sliding depths are compared on sequences no longer than the window).
 """
 
 import pytest
@@ -75,7 +75,7 @@ def test_depth_matches_transformers(depth, seq, act):
     config = tiny_text_config(hidden_act=act)
     hf, ours, target = hf_pair(config)
     ids, positions, hidden = inputs(config, 1, seq)
-    raw = target.get_input_embeddings().weight[ids]  # transformers feeds the raw embedding (spec §8 item 2)
+    raw = target.get_input_embeddings().weight[ids]  # transformers feeds the raw embedding (docs/model.md §8 item 2)
     expected = hf.forward_layer(depth, hidden, positions, None, inputs_embeds=raw)
     got = ours(None, positions, hidden, depth=depth, inputs_embeds=raw)
     assert (got - expected).abs().max().item() <= 1e-5

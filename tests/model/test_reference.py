@@ -1,7 +1,8 @@
-"""Our depths against a straightforward re-derivation of spec §4, written as loops over positions.
+"""Our depths against a straightforward re-derivation of docs/model.md §4, written as loops over positions.
 
-This covers what transformers cannot check (spec §9): the true sliding window, the relative-bias extent cut-off, the
-double-normed embedding (backbone embed_norm, rounding, depth embed_norm), hidden-first concat and the chain norm.
+This covers what transformers cannot check (docs/model.md §9): the true sliding window, the relative-bias extent
+cut-off, the double-normed embedding (backbone embed_norm, rounding, depth embed_norm), hidden-first concat and the
+chain norm.
 """
 
 import dataclasses

@@ -27,7 +27,7 @@ def committed_stream(length, batch=2, seed=0):
 
 
 def recompute(model, tokens, hidden, k):
-    """Clean full-sequence recompute of every depth over rows 0..F-1 (spec §6.3), into a fresh cache:
+    """Clean full-sequence recompute of every depth over rows 0..F-1 (docs/protocol.md §6.3), into a fresh cache:
     ``tokens`` x_0..x_F, ``hidden`` h_0..h_{F-1}. Returns (drafts [B, K], each depth's output [B, F, H], cache)."""
     batch, rows = hidden.shape[:2]
     cache = model.new_cache(batch, 64)

@@ -109,6 +109,7 @@ def test_fast_path_options_stay_inside_our_compile(distilled):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @torch.no_grad()
 def test_int8_drafter_with_cuda_graphs_matches_its_compiled_step():
     """CUDA: the fast path (coordinate-descent tuning) under CUDA graphs drafts what the same compiled step drafts
@@ -132,6 +133,7 @@ def test_int8_drafter_with_cuda_graphs_matches_its_compiled_step():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @torch.no_grad()
 def test_int8_step_on_cuda_never_casts_a_whole_weight():
     """The compiled CUDA step reads the int8 weights as they are: no bf16 buffer shaped like a weight."""

@@ -1,4 +1,5 @@
-"""Speculative decoding loop (spec §6.1-6.4, §6.7): lossless greedy, sampling distribution, cache rollback, bad input.
+"""Speculative decoding loop (docs/protocol.md §6.1-6.4, §6.7): lossless greedy, sampling distribution, cache rollback,
+bad input.
 
 The target is a tiny random transformers ``InklingForCausalLM`` (fp32, eager attention, sliding window 8 so the
 window is crossed); the drafter is a stand-in defined here that follows the ``Drafter.draft`` protocol, proposes the

@@ -1,8 +1,8 @@
 """The synthetic checkpoint is one directory for both libraries: transformers (target + its ``MtpModel``) and
 ``InklingMTP`` load it and compute the same depth outputs when fed the same raw embedding rows.
 
-transformers feeds the raw embedding (spec §8 item 2) and applies no sliding window on its MTP path (item 10), so
-both sides get the raw rows through ``inputs_embeds`` and the sliding depth is compared within its window.
+transformers feeds the raw embedding (docs/model.md §8 item 2) and applies no sliding window on its MTP path (item 10),
+so both sides get the raw rows through ``inputs_embeds`` and the sliding depth is compared within its window.
 """
 
 import pytest
