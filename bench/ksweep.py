@@ -135,15 +135,16 @@ def _timed(fn) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
-def run_ksweep(checkpoint, cfg: KSweepConfig = KSweepConfig(), progress=lambda msg: None) -> dict:
+def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, progress=lambda msg: None) -> dict:
     """Every figure of the K sweep on ``checkpoint`` (a distilled raw-layout directory with >= max(ks) depths), on
     CPU in fp32."""
     from inkling_compiled import InklingMTP
     from inkling_compiled.runtime import Drafter, speculative_generate
-    from inkling_compiled.synthetic import load_hf_target
+    from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 
-    from .e2e import _generation_config, count_hf_matches
+    from .e2e import count_hf_matches
 
+    cfg = cfg or KSweepConfig()
     torch.set_num_threads(cfg.threads)
     result: dict = {"checkpoint": str(checkpoint), "config": cfg.__dict__, "ks": {}}
     for k in cfg.ks:
@@ -162,7 +163,8 @@ def run_ksweep(checkpoint, cfg: KSweepConfig = KSweepConfig(), progress=lambda m
     batch_mask = torch.ones_like(batch_ids)
     for b in range(1, len(prompts)):  # left padding: the batch's sequences have different lengths
         batch_ids[b, :b], batch_mask[b, :b] = 0, 0
-    gconfig, gconfig_mtp = _generation_config(target, cfg.new_tokens), _generation_config(target, cfg.new_tokens)
+    gconfig = greedy_generation_config(target, cfg.new_tokens)
+    gconfig_mtp = greedy_generation_config(target, cfg.new_tokens)
     gconfig_mtp.use_mtp = True
     max_length = cfg.prompt_len + cfg.new_tokens + 8
 
@@ -188,15 +190,16 @@ def run_ksweep(checkpoint, cfg: KSweepConfig = KSweepConfig(), progress=lambda m
         stats = {k: [] for k in cfg.ks}
         hf_rounds, same = [], {k: True for k in cfg.ks}
         for i, p in enumerate(prompts):
-            _, t = _timed(lambda: target_alone(p))
+            _, t = _timed(lambda p=p: target_alone(p))
             seconds["target"] += t
             with count_hf_matches() as rounds:
-                _, t = _timed(lambda: target.generate(p, attention_mask=torch.ones_like(p),
-                                                      generation_config=gconfig_mtp))
+                _, t = _timed(lambda p=p: target.generate(p, attention_mask=torch.ones_like(p),
+                                                          generation_config=gconfig_mtp))
             seconds["hf_mtp"] += t
             hf_rounds += rounds
             for k in cfg.ks:
-                out, t = _timed(lambda: speculative_generate(target, drafters[k], p, max_new_tokens=cfg.new_tokens))
+                out, t = _timed(lambda k=k, p=p: speculative_generate(target, drafters[k], p,
+                                                                      max_new_tokens=cfg.new_tokens))
                 seconds[k] += t
                 stats[k].append(out)
                 same[k] &= torch.equal(out.sequences, reference[i])
@@ -265,8 +268,8 @@ def main(argv=None) -> int:
         return 0
     checkpoint = args.checkpoint
     if checkpoint is None:
-        from inkling_compiled.distill import distill
-        from inkling_compiled.synthetic import cached_checkpoint
+        from inkling_compiled.testing.synthetic import cached_checkpoint
+        from inkling_compiled.training.distill import distill
 
         checkpoint = distill(cached_checkpoint("tiny8"))
     cfg = KSweepConfig(ks=tuple(int(k) for k in args.ks.split(",")), threads=args.threads)

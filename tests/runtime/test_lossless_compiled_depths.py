@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
-from inkling_compiled.distill import distill, load_metrics
 from inkling_compiled.runtime import Drafter, speculative_generate
-from inkling_compiled.synthetic import cached_checkpoint, load_hf_target
-from tests.runtime.test_speculative import _one_thread  # noqa: F401  (autouse: one intra-op thread)
+from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
+from inkling_compiled.training.distill import distill, load_metrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW_TOKENS = 14
 MAX_PROMPT = {2: 3, 3: 4, 8: 9}  # prefill windows are decode windows: K = 2 -> 2, 3 rows; 3 -> 3, 4; 8 -> 8, 9
