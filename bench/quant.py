@@ -68,7 +68,8 @@ def _drafter(models: Models, batch: int, max_length: int, fast: bool) -> Drafter
     options = {"fx_graph_cache": False, "autotune_local_cache": False}
     if models.mtp.quantization is not None and not fast:
         options.update(dict.fromkeys(FAST_INDUCTOR_OPTIONS.get(models.device.type, {}), False))
-    return Drafter(models.mtp, batch, max_length, graph_rows=(1,), compile_options={"options": options})
+    return Drafter(models.mtp, batch, max_length, graph_rows=(1,), compile_options={"options": options},
+                   num_speculative_tokens=1)
 
 
 def _variant(fp32: Models, name: str, dtype: torch.dtype, quantize_head: bool | None, fast: bool, batch: int,
@@ -111,7 +112,7 @@ def quant_rows(preset: str = "small", *, device: str = "cpu", weights: str | Non
     steps, rows = {}, {}
     fp32 = _models(preset, device, torch.float32, weights, None)  # the floor's GEMMs
     inputs = S.make_inputs(fp32, batch, context)
-    eager = Drafter(fp32.mtp, batch, max_length, compile=False)
+    eager = Drafter(fp32.mtp, batch, max_length, compile=False, num_speculative_tokens=1)
     S.prefill(fp32, eager, inputs)
     steps[FLOOR], _ = S.gemm_floor(fp32, eager, inputs)
     floor_bytes = _step_bytes(fp32, batch, context)

@@ -95,7 +95,7 @@ def compile_options(passes: bool, fresh: bool) -> dict:
 def make_drafter(models: Models, batch: int, max_length: int, *, compile: bool, passes: bool = True,
                  cuda_graphs: bool = False, fresh: bool = False) -> Drafter:
     return Drafter(models.mtp, batch, max_length, compile=compile, cuda_graphs=cuda_graphs, graph_rows=(1,),
-                   compile_options=compile_options(passes, fresh) if compile else None)
+                   compile_options=compile_options(passes, fresh) if compile else None, num_speculative_tokens=1)
 
 
 def prefill(models: Models, drafter: Drafter, inputs: StepInputs) -> None:

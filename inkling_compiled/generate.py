@@ -24,8 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="synthetic preset used when no --checkpoint is given (default tiny; tiny8 has 8 depths)")
     parser.add_argument("--distilled", action="store_true",
                         help="with the default checkpoint: self-distil its MTP first (cached; ~1 min the first time)")
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=1,
-                        help="drafts per round, i.e. MTP depths chained (default 1)")
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                        help="drafts per round, i.e. MTP depths chained (default: every depth of the checkpoint)")
     parser.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt (default 16)")
     parser.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
     parser.add_argument("--ragged", action="store_true",

@@ -208,13 +208,14 @@ class Drafter:
     """Drafts ``num_speculative_tokens`` tokens per round with depths 0..K-1 of ``model`` for up to
     ``max_batch_size`` sequences of up to ``max_length`` positions.
 
-    ``num_speculative_tokens=None`` uses every loaded depth. ``compile=False`` runs the eager model (same buffers and
+    ``num_speculative_tokens`` defaults to every loaded depth (load fewer with ``from_pretrained(...,
+    num_depths=K)``, or pass K). ``compile=False`` runs the eager model (same buffers and
     results); ``cuda_graphs`` defaults to on for CUDA models; ``graph_rows`` (default: the decode windows K and
     K + 1) are the window sizes that get an exact bucket and, on CUDA, a captured graph.
     """
 
     def __init__(self, model: InklingMTP, max_batch_size: int, max_length: int, *,
-                 num_speculative_tokens: int | None = 1, compile: bool = True, cuda_graphs: bool | None = None,
+                 num_speculative_tokens: int | None = None, compile: bool = True, cuda_graphs: bool | None = None,
                  batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, graph_rows: tuple[int, ...] | None = None,
                  compile_options: dict | None = None):
         if not isinstance(model, InklingMTP):

@@ -14,7 +14,7 @@ BATCH, CONTEXT, MAX_LENGTH = 2, 12, 32
 @pytest.fixture(scope="module")
 def recorded():
     model = random_mtp()
-    drafter = Drafter(model, BATCH, MAX_LENGTH, compile=False)
+    drafter = Drafter(model, BATCH, MAX_LENGTH, compile=False, num_speculative_tokens=1)
     gen = torch.Generator().manual_seed(0)
     h, v = model.config.hidden_size, model.config.logits_vocab_size
     ids = torch.randint(0, v, (BATCH, CONTEXT + 1), generator=gen)

@@ -110,8 +110,10 @@ def test_a_reused_drafter_inherits_nothing(compile, first_depth):
     local = [0] if first_depth == "sliding" else [1]
     model = random_mtp(tiny_text_config(mtp_local_layer_ids=local))
     ids, pos, hidden = sequence()
-    used = Drafter(model, max_batch_size=2, max_length=MAX_LEN, compile=compile, batch_buckets=(2,))
-    fresh = Drafter(model, max_batch_size=2, max_length=MAX_LEN, compile=compile, batch_buckets=(2,))
+    used = Drafter(model, max_batch_size=2, max_length=MAX_LEN, compile=compile, batch_buckets=(2,),
+                   num_speculative_tokens=1)
+    fresh = Drafter(model, max_batch_size=2, max_length=MAX_LEN, compile=compile, batch_buckets=(2,),
+                    num_speculative_tokens=1)
     used.draft(ids[:, :16], pos[:, :16], poisoned(hidden[:, :16], [9, 14, 15]), validate=False)
     # new sequences: 6 real rows, right-padded to 16 (NaN in the padding), then one-row steps
     prompt = pos[:, :16].masked_fill(pos[:, :16] >= 6, -1)

@@ -85,20 +85,20 @@ def test_converting_the_target_first_then_the_mtp_works(path, target):
     assert {p.dtype for p in mtp.parameters()} == {torch.bfloat16}
     assert mtp.embed_weight is target.get_input_embeddings().weight
     ids, positions, hidden = rows(mtp)
-    Drafter(mtp, max_batch_size=1, max_length=8, compile=False).draft(ids, positions, hidden)
+    Drafter(mtp, max_batch_size=1, max_length=8, compile=False, num_speculative_tokens=1).draft(ids, positions, hidden)
     target_logits(target, ids)
 
 
 def test_a_target_converted_after_sharing_is_refused_naming_the_tensors(path, target):
     mtp = InklingMTP.from_pretrained(path, target=target)
-    built_before = Drafter(mtp, max_batch_size=1, max_length=8, compile=False)
+    built_before = Drafter(mtp, max_batch_size=1, max_length=8, compile=False, num_speculative_tokens=1)
     target.to(torch.bfloat16)
     ids, positions, hidden = rows(mtp)
     mixed = (r"the MTP's parameters are not all of one dtype on one device \(torch\.bfloat16 on cpu: embed_weight, "
              r"embed_norm_weight, lm_head_weight; torch\.float32 on cpu: layers\.0\.hidden_norm\.weight, .* more\)\. "
              r"Was the target converted after loading\?")
     with pytest.raises(ValueError, match=mixed):
-        Drafter(mtp, max_batch_size=1, max_length=8, compile=False)
+        Drafter(mtp, max_batch_size=1, max_length=8, compile=False, num_speculative_tokens=1)
     with pytest.raises(ValueError, match=mixed):
         mtp(ids, positions, hidden.float())
     with pytest.raises(ValueError, match=r"the model is now torch\.bfloat16 on cpu, but this Drafter was built for it "

@@ -21,7 +21,7 @@ def model():
 
 @pytest.fixture
 def drafter(model):
-    return Drafter(model, max_batch_size=B, max_length=MAX_LEN, compile=False)
+    return Drafter(model, max_batch_size=B, max_length=MAX_LEN, compile=False, num_speculative_tokens=1)
 
 
 @pytest.fixture
@@ -431,7 +431,7 @@ def test_drafter_generator_must_be_a_generator(drafter, inputs, generator):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_drafter_generator_on_another_device():
     model = random_mtp().cuda()
-    drafter = Drafter(model, max_batch_size=1, max_length=MAX_LEN, compile=False)
+    drafter = Drafter(model, max_batch_size=1, max_length=MAX_LEN, compile=False, num_speculative_tokens=1)
     ids, positions = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.zeros(1, 1, dtype=torch.long,
                                                                                      device="cuda")
     with pytest.raises(ValueError, match=r"generator is on cpu, the model on cuda:0"):
@@ -441,7 +441,7 @@ def test_drafter_generator_on_another_device():
 
 def test_a_drafter_whose_model_moved_after_construction(inputs):
     model = random_mtp()
-    drafter = Drafter(model, max_batch_size=B, max_length=MAX_LEN, compile=False)
+    drafter = Drafter(model, max_batch_size=B, max_length=MAX_LEN, compile=False, num_speculative_tokens=1)
     model.to(torch.bfloat16)
     ids, positions, hidden = inputs
     with pytest.raises(ValueError, match=r"the model is now torch\.bfloat16 on cpu, but this Drafter was built for "

@@ -39,7 +39,8 @@ WINDOWS = [1, 2, 2, 1, 1, 2, 1, 2, 2, 2]
 def test_compiled_drafter_matches_eager_model():
     model = random_mtp()
     ids, positions, hidden = stream(3, PROMPT + sum(WINDOWS))
-    compiled = run_decode(Drafter(model, max_batch_size=4, max_length=64), ids, positions, hidden, WINDOWS)
+    compiled = run_decode(Drafter(model, max_batch_size=4, max_length=64,
+                                  num_speculative_tokens=1), ids, positions, hidden, WINDOWS)
     # eager reference: the full-sequence forward's top tokens at each window's last row
     full = model(ids, positions, hidden)
     ends = [PROMPT - 1]
@@ -55,7 +56,7 @@ def test_no_recompiles_over_64_decode_steps():
     model = random_mtp()
     windows = [1, 2] * 32
     ids, positions, hidden = stream(2, PROMPT + sum(windows))
-    drafter = Drafter(model, max_batch_size=2, max_length=256)
+    drafter = Drafter(model, max_batch_size=2, max_length=256, num_speculative_tokens=1)
     run_decode(drafter, ids, positions, hidden, windows[:2])  # compiles the prefill, 1-row and 2-row shapes
     with torch._dynamo.config.patch(error_on_recompile=True):
         results = run_decode(drafter, ids, positions, hidden, windows)
@@ -65,7 +66,7 @@ def test_no_recompiles_over_64_decode_steps():
 @torch.no_grad()
 def test_batch_sizes_within_a_bucket_share_one_compiled_step():
     model = random_mtp()
-    drafter = Drafter(model, max_batch_size=4, max_length=64, batch_buckets=(1, 2, 4))
+    drafter = Drafter(model, max_batch_size=4, max_length=64, batch_buckets=(1, 2, 4), num_speculative_tokens=1)
     ids, positions, hidden = stream(4, PROMPT + 4)
 
     def step(batch, column):
@@ -84,7 +85,8 @@ def test_batch_sizes_within_a_bucket_share_one_compiled_step():
 @torch.no_grad()
 def test_batch_sizes_share_a_bucket_and_large_batches_fall_back():
     model = random_mtp()
-    drafter = Drafter(model, max_batch_size=6, max_length=64, compile=False, batch_buckets=(1, 2, 4))
+    drafter = Drafter(model, max_batch_size=6, max_length=64, compile=False, batch_buckets=(1, 2, 4),
+                      num_speculative_tokens=1)
     assert drafter.bucket(3, 1) == (4, 1) and drafter.bucket(5, 2) == (6, 2) and drafter.bucket(1, 11) == (1, 16)
     for batch in (3, 4, 3, 5):  # 4 then 3 shares one bucket's buffers
         ids, positions, hidden = stream(batch, PROMPT)
@@ -115,8 +117,9 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
     unpadded calls (the draft comes from the row at its largest position, not from the last column)."""
     model = random_mtp()
     ids, _, hidden = stream(3, 16)
-    drafter = Drafter(model, max_batch_size=3, max_length=64, compile=compile, batch_buckets=(3,))
-    alone = [Drafter(model, max_batch_size=1, max_length=64, compile=False) for _ in range(3)]
+    drafter = Drafter(model, max_batch_size=3, max_length=64, compile=compile, batch_buckets=(3,),
+                      num_speculative_tokens=1)
+    alone = [Drafter(model, max_batch_size=1, max_length=64, compile=False, num_speculative_tokens=1) for _ in range(3)]
     for layout in PADDED_CALLS:
         result = drafter.draft(*rows_at(ids, hidden, layout))
         for b, rows in enumerate(layout):
@@ -149,7 +152,7 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
 def test_drafter_arguments_are_checked(kwargs, match):
     args = {"max_batch_size": 2, "max_length": 64, **kwargs}
     with pytest.raises(ValueError, match=match):
-        Drafter(random_mtp(), **args)
+        Drafter(random_mtp(), **args, num_speculative_tokens=1)
 
 
 def test_drafter_model_must_be_an_inkling_mtp():
@@ -159,7 +162,8 @@ def test_drafter_model_must_be_an_inkling_mtp():
 
 def test_drafter_buckets_are_deduplicated_and_caller_compile_options_win():
     drafter = Drafter(random_mtp(), max_batch_size=6, max_length=64, batch_buckets=(4, 1, 4, 2, 2, 16),
-                      graph_rows=(2, 1, 2), compile_options={"dynamic": None, "fullgraph": False})
+                      graph_rows=(2, 1, 2), compile_options={"dynamic": None, "fullgraph": False},
+                      num_speculative_tokens=1)
     assert drafter.batch_buckets == (1, 2, 4, 6) and drafter.graph_rows == (1, 2) and drafter.graph_batch_limit == 16
     assert not drafter.uses_graph(1, 1)  # no CUDA here
 
@@ -170,7 +174,7 @@ def test_drafter_buckets_are_deduplicated_and_caller_compile_options_win():
     (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
 ])
 def test_capture_arguments_are_checked(kwargs, match):
-    drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False)
+    drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
     with pytest.raises(ValueError, match=match):
         drafter.capture(**kwargs)
     assert not drafter._shapes  # refused before anything ran
@@ -179,7 +183,7 @@ def test_capture_arguments_are_checked(kwargs, match):
 def test_draft_inputs_that_require_grad_leave_no_history():
     """A hidden straight from a target forward run with grad enabled: the static buffers stay inference state."""
     model = random_mtp()
-    drafter = Drafter(model, max_batch_size=1, max_length=64, compile=False)
+    drafter = Drafter(model, max_batch_size=1, max_length=64, compile=False, num_speculative_tokens=1)
     ids, positions, hidden = stream(1, PROMPT)
     result = drafter.draft(ids, positions, hidden.requires_grad_() * 1.0)
     for shape in drafter._shapes.values():
@@ -193,7 +197,7 @@ def test_draft_inputs_that_require_grad_leave_no_history():
 def test_an_eager_drafter_with_validate_false_checks_nothing(monkeypatch):
     """validate=False is the whole switch: the eager step calls the model's unvalidated path (no host syncs)."""
     model = random_mtp()
-    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False)
+    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
     ids, positions, hidden = stream(2, PROMPT + 1)
 
     def refuse(*args, **kwargs):
@@ -211,8 +215,8 @@ def test_an_eager_drafter_with_validate_false_checks_nothing(monkeypatch):
 def test_cuda_graph_options_are_checked():
     model = random_mtp()
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA model"):
-        Drafter(model, 1, 8, cuda_graphs=True)
-    assert not Drafter(model, 1, 8, compile=False).cuda_graphs
+        Drafter(model, 1, 8, cuda_graphs=True, num_speculative_tokens=1)
+    assert not Drafter(model, 1, 8, compile=False, num_speculative_tokens=1).cuda_graphs
 
 
 @torch.no_grad()
@@ -220,7 +224,7 @@ def test_sampling_returns_the_muP_correct_distribution():
     model = random_mtp()
     model.lm_head_weight.mul_(300.0)  # random weights give near-uniform logits; make them peaked
     ids, positions, hidden = stream(2, PROMPT)
-    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False)
+    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
     temperature, draws = 0.7, 400
     result = drafter.draft(ids, positions, hidden, temperature=temperature, generator=torch.Generator().manual_seed(0))
     logits = model.compute_logits(model(ids, positions, hidden)[:, -1])
@@ -272,8 +276,9 @@ def test_graph_path_copies_inputs_in_and_hands_out_outputs_that_stay_valid(monke
     model = random_mtp()
     model.lm_head_weight.mul_(300.0)  # peaked draft distributions: a wrong sample is visible in the tokens
     ids, positions, hidden = stream(3, PROMPT + sum(WINDOWS))
-    graphs = emulate_graphs(monkeypatch, Drafter(model, max_batch_size=4, max_length=64, compile=False))
-    plain = Drafter(model, max_batch_size=4, max_length=64, compile=False)
+    graphs = emulate_graphs(monkeypatch, Drafter(model, max_batch_size=4, max_length=64, compile=False,
+                                                 num_speculative_tokens=1))
+    plain = Drafter(model, max_batch_size=4, max_length=64, compile=False, num_speculative_tokens=1)
     with_graphs = run_decode(graphs, ids, positions, hidden, WINDOWS, temperature)
     without = run_decode(plain, ids, positions, hidden, WINDOWS, temperature)
     replayed = [key for key, shape in graphs._shapes.items() if shape.graph is not None]
@@ -287,7 +292,7 @@ def test_graph_path_copies_inputs_in_and_hands_out_outputs_that_stay_valid(monke
 def test_graph_path_falls_back_beyond_the_largest_graph_bucket(monkeypatch):
     model = random_mtp()
     drafter = emulate_graphs(monkeypatch, Drafter(model, max_batch_size=6, max_length=64, compile=False,
-                                                  batch_buckets=(1, 2, 4)))
+                                                  batch_buckets=(1, 2, 4), num_speculative_tokens=1))
     drafter.capture()
     assert {key for key, shape in drafter._shapes.items() if shape.graph is not None} == {
         (batch, rows, False) for batch in (1, 2, 4) for rows in (1, 2)}  # 6 exceeds the largest graph bucket
@@ -308,8 +313,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_equals_compiled_step(temperature):
     model = random_mtp(dtype=torch.bfloat16).cuda()
     ids, positions, hidden = stream(3, PROMPT + sum(WINDOWS), device="cuda", dtype=torch.bfloat16)
-    graphs = Drafter(model, max_batch_size=4, max_length=64, cuda_graphs=True)
-    plain = Drafter(model, max_batch_size=4, max_length=64, cuda_graphs=False)
+    graphs = Drafter(model, max_batch_size=4, max_length=64, cuda_graphs=True, num_speculative_tokens=1)
+    plain = Drafter(model, max_batch_size=4, max_length=64, cuda_graphs=False, num_speculative_tokens=1)
     with_graphs = run_decode(graphs, ids, positions, hidden, WINDOWS, temperature)
     without = run_decode(plain, ids, positions, hidden, WINDOWS, temperature)
     assert graphs.uses_graph(3, 1) and any(s.graph is not None for s in graphs._shapes.values())
@@ -328,7 +333,8 @@ def test_cuda_graph_path_falls_back_beyond_the_largest_bucket_on_cuda():
     ids, positions, hidden = stream(5, PROMPT + 1, device="cuda", dtype=torch.bfloat16)
     results = []
     for cuda_graphs in (True, False):
-        drafter = Drafter(model, max_batch_size=6, max_length=64, batch_buckets=(1, 2, 4), cuda_graphs=cuda_graphs)
+        drafter = Drafter(model, max_batch_size=6, max_length=64, batch_buckets=(1, 2, 4), cuda_graphs=cuda_graphs,
+                          num_speculative_tokens=1)
         drafter.draft(ids[:, :PROMPT], positions[:, :PROMPT], hidden[:, :PROMPT])
         results.append(drafter.draft(ids[:, PROMPT:], positions[:, PROMPT:], hidden[:, PROMPT:]))
         assert not drafter.uses_graph(5, 1)

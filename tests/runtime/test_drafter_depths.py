@@ -62,9 +62,10 @@ def verified_round(drafter, result, tokens, hidden, start, accepted, wrong=True)
     return drafter.draft(committed[:, rows.start + 1:], positions, hidden[:, rows]), committed
 
 
-def test_num_speculative_tokens_is_checked(model):
-    assert Drafter(model, 1, 8, compile=False).num_speculative_tokens == 1
+def test_num_speculative_tokens_defaults_to_every_loaded_depth_and_is_checked(model):
+    assert Drafter(model, 1, 8, compile=False).num_speculative_tokens == 8
     assert Drafter(model, 1, 8, compile=False, num_speculative_tokens=None).num_speculative_tokens == 8
+    assert Drafter(model, 1, 8, compile=False, num_speculative_tokens=1).num_speculative_tokens == 1
     for bad in (0, 9, -1, True, 2.0, "3"):
         with pytest.raises(ValueError, match=rf"num_speculative_tokens must be an int in \[1, 8\] \(the model has 8 "
                                              rf"loaded MTP depth\(s\).*got {bad!r}"):
@@ -90,7 +91,7 @@ def test_every_depth_equals_a_full_recompute_after_any_number_of_rejections(mode
 
 
 def test_k1_reruns_nothing(model):
-    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False)
+    drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
     assert drafter.history is None and drafter.bucket(2, 1) == (2, 1) and drafter.graph_rows == (1, 2)
 
 

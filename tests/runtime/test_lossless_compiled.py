@@ -18,7 +18,7 @@ def setup():
     target = load_hf_target(path)
     target.generation_config.eos_token_id = None  # compare full-length continuations
     drafter = Drafter(InklingMTP.from_pretrained(path, target=target), max_batch_size=4, max_length=64,
-                      batch_buckets=(4,))  # one batch bucket: batch 1..4 share compiled graphs
+                      batch_buckets=(4,), num_speculative_tokens=1)  # one batch bucket: batch 1..4 share graphs
     return target, drafter
 
 

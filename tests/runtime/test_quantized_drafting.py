@@ -65,7 +65,7 @@ def test_speculative_generation_with_an_int8_drafter_is_lossless(distilled, targ
     """Quantization changes drafts only: the compiled int8 drafter's generation equals the fp32 target's greedy one.
     Two-token prompts make the prefill the 2-row decode shape: two compiled graphs in all."""
     mtp = InklingMTP.from_pretrained(distilled, quantize="int8")
-    drafter = Drafter(mtp, max_batch_size=1, max_length=64, compile_options=NO_FAST_PATH)
+    drafter = Drafter(mtp, max_batch_size=1, max_length=64, compile_options=NO_FAST_PATH, num_speculative_tokens=1)
     accepted = drafted = 0
     for seed in range(8):
         ids = torch.randint(8, 500, (1, 2), generator=torch.Generator().manual_seed(seed))
@@ -86,7 +86,7 @@ def test_fast_path_options_stay_inside_our_compile(distilled):
     """Freezing + max-autotune (the quantized drafter's CPU default) change nothing for a model compiled after."""
     before = _config_snapshot()
     mtp = InklingMTP.from_pretrained(distilled, quantize="int8")
-    drafter = Drafter(mtp, max_batch_size=1, max_length=32, graph_rows=(1,))
+    drafter = Drafter(mtp, max_batch_size=1, max_length=32, graph_rows=(1,), num_speculative_tokens=1)
     ids, positions = torch.tensor([[17]]), torch.tensor([[5]])
     hidden = torch.randn(1, 1, mtp.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(BF16)
     result = drafter.draft(ids, positions, hidden)
@@ -115,8 +115,9 @@ def test_int8_drafter_with_cuda_graphs_matches_its_compiled_step():
     """CUDA: the fast path (coordinate-descent tuning) under CUDA graphs drafts what the same compiled step drafts
     without graphs, and stays close to the eager int8 model."""
     mtp = InklingMTP.from_pretrained(cached_checkpoint("tiny"), quantize="int8", device="cuda")
-    graphs = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,))
-    plain = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,), cuda_graphs=False)
+    graphs = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,), num_speculative_tokens=1)
+    plain = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,), cuda_graphs=False,
+                    num_speculative_tokens=1)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(8, 500, (2, 6), generator=gen).cuda()
     hidden = torch.randn(2, 6, mtp.config.hidden_size, generator=gen).to(device="cuda", dtype=BF16)
@@ -142,7 +143,8 @@ def test_int8_step_on_cuda_never_casts_a_whole_weight():
     from bench.step import generated_code
 
     mtp = InklingMTP.from_pretrained(cached_checkpoint("tiny"), quantize="int8", device="cuda")
-    drafter = Drafter(mtp, max_batch_size=1, max_length=32, graph_rows=(1,), cuda_graphs=False)
+    drafter = Drafter(mtp, max_batch_size=1, max_length=32, graph_rows=(1,), cuda_graphs=False,
+                      num_speculative_tokens=1)
     hidden = torch.randn(1, 1, mtp.config.hidden_size, device="cuda", dtype=BF16)
     with generated_code() as code:
         drafter.draft(torch.tensor([[17]], device="cuda"), torch.tensor([[5]], device="cuda"), hidden)

@@ -436,7 +436,8 @@ def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, mat
      "drafter embedding table has 124 rows, fewer than the target's vocabulary 128"),
 ])
 def test_a_drafter_built_for_another_model_is_rejected(target, overrides, match):
-    drafter = Drafter(random_mtp(tiny_text_config(**overrides)), max_batch_size=1, max_length=16, compile=False)
+    drafter = Drafter(random_mtp(tiny_text_config(**overrides)), max_batch_size=1, max_length=16, compile=False,
+                      num_speculative_tokens=1)
     with pytest.raises(ValueError, match=match):
         speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
 
@@ -445,7 +446,7 @@ def test_a_drafter_in_another_dtype_gets_the_hiddens_in_its_own(target):
     """A bf16 draft head beside an fp32 target (its own copy of the shared tensors) drafts from bf16 hiddens, and the
     output is still the target's own greedy continuation."""
     drafter = Drafter(random_mtp(tiny_text_config(vocab_size=128, unpadded_vocab_size=120), dtype=torch.bfloat16),
-                      max_batch_size=1, max_length=16, compile=False)
+                      max_batch_size=1, max_length=16, compile=False, num_speculative_tokens=1)
     ids = torch.randint(1, 100, (1, 4), generator=torch.Generator().manual_seed(0))
     ours = speculative_generate(target, drafter, ids, max_new_tokens=8)
     expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
@@ -456,7 +457,7 @@ def test_a_drafter_in_another_dtype_gets_the_hiddens_in_its_own(target):
 def test_validated_once_up_front_then_the_drafter_checks_nothing(target, monkeypatch):
     """The loop validates its inputs before any model call; every drafter call (prefill too) skips validation."""
     drafter = Drafter(random_mtp(tiny_text_config(vocab_size=128, unpadded_vocab_size=120)), max_batch_size=2,
-                      max_length=32, compile=False)
+                      max_length=32, compile=False, num_speculative_tokens=1)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the drafter validated again")
@@ -474,7 +475,7 @@ def test_real_drafter_with_conditional_generation_target():
     path = synthetic.cached_checkpoint("tiny")
     target = synthetic.load_hf_target(path)
     drafter = Drafter(InklingMTP.from_pretrained(path, target=target), max_batch_size=4, max_length=32,
-                      compile=False)
+                      compile=False, num_speculative_tokens=1)
     ids, mask = left_pad(random_prompts(random.Random(4), 3, 3, 10, vocab=500))
     eos, pad = target.generation_config.eos_token_id, target.generation_config.pad_token_id
     reference = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
