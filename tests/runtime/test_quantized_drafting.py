@@ -61,11 +61,14 @@ def test_int8_drafts_agree_with_bf16_drafts(distilled, target):
             assert abs(accuracy[0] - accuracy[1]) <= 0.02, (head, k)
 
 
-def test_speculative_generation_with_an_int8_drafter_is_lossless(distilled, target):
-    """Quantization changes drafts only: the compiled int8 drafter's generation equals the fp32 target's greedy one.
-    Two-token prompts make the prefill the 2-row decode shape: two compiled graphs in all."""
+@pytest.mark.parametrize("k, compile", [(1, True), (2, False)])
+def test_speculative_generation_with_an_int8_drafter_is_lossless(distilled, target, k, compile):
+    """Quantization changes drafts only: the int8 drafter's generation equals the fp32 target's greedy one, compiled
+    at K = 1 (two-token prompts make the prefill the 2-row decode shape: two compiled graphs in all) and with both
+    depths chained (K = 2, eager: the compiled K-depth round is tested in test_drafter_depths.py)."""
     mtp = InklingMTP.from_pretrained(distilled, quantize="int8")
-    drafter = Drafter(mtp, max_batch_size=1, max_length=64, compile_options=NO_FAST_PATH, num_speculative_tokens=1)
+    drafter = Drafter(mtp, max_batch_size=1, max_length=64, compile=compile, num_speculative_tokens=k,
+                      compile_options=NO_FAST_PATH if compile else None)
     accepted = drafted = 0
     for seed in range(8):
         ids = torch.randint(8, 500, (1, 2), generator=torch.Generator().manual_seed(seed))
