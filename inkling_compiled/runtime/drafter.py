@@ -21,7 +21,9 @@ padding rows at ``cache.pad_position`` (they touch only a scratch slot).
 
 Compilation: one compiled step per depth *geometry* (sliding / full). The step takes the depth's module and cache
 as arguments, so every depth of a geometry reuses one graph (Dynamo treats module parameters as inputs) and the
-compile cost does not grow with K; with K > 1 a small compiled prologue builds the window. On CUDA the whole round
+compile cost does not grow with K; with K > 1 a small compiled prologue builds the window. The same pieces can be
+packaged ahead of time with AOTInductor (:meth:`Drafter.save_compiled`, :meth:`Drafter.load_compiled`,
+docs/compile.md §12): a loaded drafter runs them with no Dynamo at call time. On CUDA the whole round
 — prologue and all K depth steps — is captured as one CUDA graph per (batch bucket, rows, greedy/sampled) bucket,
 the buckets sharing one memory pool. Greedy and sampled drafting both stay on the device: sampling uses the
 exponential-race form of the Gumbel trick (``argmax(q / E)``, ``E ~ Exp(1)``, independent per depth), with q the
