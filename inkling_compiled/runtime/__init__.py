@@ -1,6 +1,7 @@
-"""Runtime: the compiled / CUDA-graph drafter and the speculative generation loop."""
+"""Runtime: the compiled / CUDA-graph drafter, its AOTInductor packages, and the speculative generation loop."""
 
 from .drafter import Drafter, DraftResult
+from .packaged import PackageError, PackageMismatch
 from .speculative import SpeculativeOutput, speculative_generate
 
-__all__ = ["DraftResult", "Drafter", "SpeculativeOutput", "speculative_generate"]
+__all__ = ["DraftResult", "Drafter", "PackageError", "PackageMismatch", "SpeculativeOutput", "speculative_generate"]

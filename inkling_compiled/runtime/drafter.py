@@ -21,7 +21,9 @@ padding rows at ``cache.pad_position`` (they touch only a scratch slot).
 
 Compilation: one compiled step per depth *geometry* (sliding / full). The step takes the depth's module and cache
 as arguments, so every depth of a geometry reuses one graph (Dynamo treats module parameters as inputs) and the
-compile cost does not grow with K; with K > 1 a small compiled prologue builds the window. On CUDA the whole round
+compile cost does not grow with K; with K > 1 a small compiled prologue builds the window. The same pieces can be
+packaged ahead of time with AOTInductor (:meth:`Drafter.save_compiled`, :meth:`Drafter.load_compiled`,
+docs/compile.md §12): a loaded drafter runs them with no Dynamo at call time. On CUDA the whole round
 — prologue and all K depth steps — is captured as one CUDA graph per (batch bucket, rows, greedy/sampled) bucket,
 the buckets sharing one memory pool. Greedy and sampled drafting both stay on the device: sampling uses the
 exponential-race form of the Gumbel trick (``argmax(q / E)``, ``E ~ Exp(1)``, independent per depth), with q the
@@ -33,13 +35,16 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..model.cache import positive_int
 from ..model.mtp import InklingMTP
 from ..torch_version import BEFORE_2_13
+from . import packaged
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 # Compiled graphs per code object: (batch buckets x row buckets x greedy/sampled), times the two depth geometries for
@@ -185,6 +190,7 @@ class _BucketBuffers:
         vocab, depths = model.config.logits_vocab_size, drafter.num_speculative_tokens
         self.noise = torch.ones(depths, batch, vocab, dtype=torch.float32, device=dev) if sampled else None
         self.inv_temperature = torch.ones(batch, 1, dtype=torch.float32, device=dev) if sampled else None
+        self.key = (batch, rows, sampled)
         self.compiled = False  # the round has run once for this bucket (compiled, and captured where it applies)
         self.written = (0, 0)  # (batch, rows) of the last call: the positions beyond it are padding (-1)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -193,6 +199,20 @@ class _BucketBuffers:
     def args(self):
         base = (self.input_ids, self.positions, self.hidden)
         return base + (self.noise, self.inv_temperature) if self.sampled else base
+
+
+_LAYOUT_KEYS = ("max_batch_size", "max_length", "batch_buckets", "graph_rows", "buckets", "depth_steps")
+
+
+def _step_name(key: tuple[int, int, bool], step: str) -> str:
+    """The file stem of one packaged step of a bucket: ``window`` or ``depth<k>`` (k: the first depth of a geometry)."""
+    batch, rows, sampled = key
+    return f"b{batch}-r{rows}-{'sampled' if sampled else 'greedy'}-{step}"
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, InklingMTP):
+        raise ValueError(f"model must be an InklingMTP, got {type(model).__name__}")
 
 
 def _check_num_speculative_tokens(value, loaded: int) -> int:
@@ -218,8 +238,7 @@ class Drafter:
                  num_speculative_tokens: int | None = None, compile: bool = True, cuda_graphs: bool | None = None,
                  batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, graph_rows: tuple[int, ...] | None = None,
                  compile_options: dict | None = None):
-        if not isinstance(model, InklingMTP):
-            raise ValueError(f"model must be an InklingMTP, got {type(model).__name__}")
+        _check_model(model)
         model.check_parameters()
         if not isinstance(compile, bool) or not (cuda_graphs is None or isinstance(cuda_graphs, bool)):
             raise ValueError(f"compile must be a bool and cuda_graphs a bool or None, got {compile!r}, {cuda_graphs!r}")
@@ -246,10 +265,30 @@ class Drafter:
         options = _compile_options(compile_options, on_cuda, fast_inductor_options(model))
         # Inductor freezes only what Dynamo traced as constants: prepare_freezing, around our own compiles only.
         self._freezing = bool(options.get("options", {}).get("freezing"))
-        self._window_step = torch.compile(self._window, **options) if compile else self._window
-        self._depth_step = torch.compile(self._depth, **options) if compile else self._depth
+        self._compile_options = options if compile else None
+        self._inductor_options = options.get("options", {})
         self._shapes: dict[tuple[int, int, bool], _BucketBuffers] = {}
+        self._packaged: dict[tuple[int, int, bool], functools.partial] = {}  # bucket key -> its packaged round
         self._pool = None
+
+    def _compiled(self, fn):
+        return fn if self._compile_options is None else torch.compile(fn, **self._compile_options)
+
+    # wrapped on first use: a drafter whose buckets are all packaged never imports Dynamo for them
+    @functools.cached_property
+    def _window_step(self):
+        return self._compiled(self._window)
+
+    @functools.cached_property
+    def _depth_step(self):
+        return self._compiled(self._depth)
+
+    @functools.cached_property
+    def _compiled_round(self):
+        """The round of the compiled (or eager) steps: every depth runs the one step of its geometry."""
+        depths = [functools.partial(self._depth_step, self.model.layers[k], self.cache.depths[k])
+                  for k in range(self.num_speculative_tokens)]
+        return functools.partial(self._round, self._window_step, depths)
 
     # -- the round: a compiled prologue, then one compiled step per depth (traced; our Inductor passes apply) ------
 
@@ -283,26 +322,21 @@ class Drafter:
             probs = torch.softmax(self.model.compute_logits(last).float() * inv_temperature, dim=-1)
             draft = (probs / noise).argmax(dim=-1)
         next_ids = input_ids.roll(-1, dims=1).scatter(1, last_column, draft[:, None])
-        return hidden, last, draft, next_ids, probs
+        return (hidden, last, draft, next_ids) + ((probs,) if noise is not None else ())
 
-    def _round(self, input_ids, positions, hidden, noise=None, inv_temperature=None):
+    def _round(self, window, depths, input_ids, positions, hidden, noise=None, inv_temperature=None):
+        """The prologue (K > 1), then depth k = 0..K-1 by ``depths[k](input_ids, positions, hidden[, noise_k,
+        inv_temperature])``: the compiled steps (:attr:`_compiled_round`) or packaged ones (:meth:`load_compiled`)."""
         if self.history is not None:  # K = 1 re-runs nothing
-            input_ids, positions, hidden = self._window_step(input_ids, positions, hidden)
+            input_ids, positions, hidden = window(input_ids, positions, hidden)
         drafts, probs = [], []
-        for k in range(self.num_speculative_tokens):
-            hidden, last, draft, input_ids, q = self._depth_step(self.model.layers[k], self.cache.depths[k],
-                                                                 input_ids, positions, hidden,
-                                                                 None if noise is None else noise[k], inv_temperature)
+        for k, depth in enumerate(depths):
+            sampling = () if noise is None else (noise[k], inv_temperature)
+            hidden, last, draft, input_ids, *q = depth(input_ids, positions, hidden, *sampling)
             drafts.append(draft)
-            probs.append(q)
+            probs += q
         outputs = (torch.stack(drafts, dim=1), last)
         return outputs + (torch.stack(probs, dim=1),) if noise is not None else outputs
-
-    def _greedy(self, input_ids, positions, hidden):
-        return self._round(input_ids, positions, hidden)
-
-    def _sampled(self, input_ids, positions, hidden, noise, inv_temperature):
-        return self._round(input_ids, positions, hidden, noise, inv_temperature)
 
     # -- public API ---------------------------------------------------------------------------------------------
 
@@ -374,12 +408,114 @@ class Drafter:
     def static_step(self, batch: int, rows: int):
         """The greedy step bound to the static buffers of the (batch, rows) shape, as a no-argument callable: the
         compiled graph alone, without ``draft``'s input copies and output handling (what a benchmark sets it
-        against). The buffers hold the inputs of the last ``draft`` call of that shape."""
-        return functools.partial(self._greedy, *self._shape(batch, rows, False).args())
+        against; the packaged round for a packaged bucket). The buffers hold the inputs of the last ``draft`` call of
+        that shape."""
+        shape = self._shape(batch, rows, False)
+        return functools.partial(self._round_of(shape), *shape.args())
 
     def uses_graph(self, batch: int, rows: int) -> bool:
         padded_batch, padded_rows = self.bucket(batch, rows)
         return self.cuda_graphs and padded_batch <= self.graph_batch_limit and padded_rows in self.graph_rows
+
+    # -- packaged rounds (runtime/packaged.py): AOTInductor ahead of time, no Dynamo at call time -------------------
+
+    def save_compiled(self, directory, batch_sizes: tuple[int, ...] | None = None, rows: tuple[int, ...] | None = None,
+                      *, sampled: bool = False) -> Path:
+        """Package the round of every bucket that calls of ``batch_sizes`` (default: every batch bucket) x ``rows``
+        new rows (default: ``graph_rows``) run as, greedy (and sampled with ``sampled=True``), into the new
+        ``directory``: per bucket the prologue (K > 1) and one step per depth geometry, which every depth of that
+        geometry runs over its own parameters and cache (docs/compile.md §12).
+
+        The package holds code only (no weights, no cache) and records what it was built for; see
+        :meth:`load_compiled`. Each step is one AOTInductor compile (seconds to a minute on a small CPU)."""
+        batch_sizes = self.batch_buckets if batch_sizes is None else _bucket_sizes("batch_sizes", batch_sizes)
+        rows = self.graph_rows if rows is None else _bucket_sizes("rows", rows)
+        if batch_sizes and batch_sizes[-1] > self.max_batch_size:
+            raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
+        if not isinstance(sampled, bool):
+            raise ValueError(f"sampled must be a bool, got {sampled!r}")
+        if self._freezing:  # frozen weights are compiled into the code: the package could not read the model's own
+            raise ValueError("save_compiled: this drafter compiles with Inductor freezing (a quantized model's fast "
+                             "path, docs/compile.md §11), which folds the weights into the code; package with "
+                             "compile_options={'options': {'freezing': False}}")
+        keys = sorted({(*self.bucket(b, r), s) for b in batch_sizes for r in rows for s in {False, sampled}})
+        steps = {}
+        for key in keys:
+            buffers = _BucketBuffers(self, *key)
+            inputs = (buffers.input_ids, buffers.positions, buffers.hidden)
+            if self.history is not None:
+                steps[_step_name(key, "window")] = (self._window, inputs, packaged.history_state(self._history()))
+            sampling = (buffers.noise[0], buffers.inv_temperature) if key[2] else ()
+            for k in sorted(set(self._geometry_depths())):
+                steps[_step_name(key, f"depth{k}")] = (functools.partial(self._depth, self.model.layers[k],
+                                                                         self.cache.depths[k]),
+                                                       inputs + sampling, self._depth_state(self.model, k))
+        layout = {"max_batch_size": self.max_batch_size, "max_length": self.max_length, "graph_rows": self.graph_rows,
+                  # the buckets a new Drafter given these rebuilds, with the same largest graph bucket
+                  "batch_buckets": [b for b in self.batch_buckets if b <= self.graph_batch_limit],
+                  "buckets": keys, "depth_steps": self._geometry_depths()}
+        built_for = packaged.built_for(self.model, self._inductor_options, self.num_speculative_tokens)
+        return packaged.save(directory, steps, built_for=built_for, layout=layout,
+                             inductor_options=self._inductor_options)
+
+    @classmethod
+    def load_compiled(cls, directory, model: InklingMTP, *, num_speculative_tokens: int | None = None,
+                      fallback: bool = False, compile: bool = True, cuda_graphs: bool | None = None,
+                      compile_options: dict | None = None) -> Drafter:
+        """A drafter for ``model`` with the geometry and K the package was saved with, whose packaged buckets run the
+        package's steps over ``model``'s own parameters and the drafter's cache; other buckets run as a Drafter built
+        with ``compile`` / ``cuda_graphs`` / ``compile_options`` runs them.
+
+        A missing or damaged package is a ``PackageError``. One built for another config, dtype, quantization, K
+        (``num_speculative_tokens``, default: the package's), device, torch or pass version is a ``PackageMismatch``
+        naming what differs, or with ``fallback=True`` a warning, and every bucket then runs the usual step
+        (``torch.compile`` by default)."""
+        manifest = packaged.read_manifest(directory, layout_keys=_LAYOUT_KEYS)
+        _check_model(model)
+        if num_speculative_tokens is not None:
+            _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
+        layout = manifest["layout"]
+        k = manifest["built_for"].get("num_speculative_tokens") if num_speculative_tokens is None \
+            else num_speculative_tokens
+        inductor = _compile_options(compile_options, model.device.type == "cuda", fast_inductor_options(model))
+        problem = packaged.mismatch(directory, manifest, packaged.built_for(model, inductor.get("options", {}), k))
+        if problem is not None and not fallback:
+            raise problem
+        drafter = cls(model, layout["max_batch_size"], layout["max_length"], num_speculative_tokens=k,
+                      compile=compile, cuda_graphs=cuda_graphs, batch_buckets=layout["batch_buckets"],
+                      graph_rows=layout["graph_rows"], compile_options=compile_options)
+        if problem is not None:
+            warnings.warn(f"{problem}; running the usual step instead", RuntimeWarning, stacklevel=2)
+            return drafter
+        window = packaged.history_state(drafter._history()) if drafter.history is not None else None
+        for key in (tuple(key) for key in layout["buckets"]):
+            prologue = None if window is None else packaged.load_step(directory, manifest, _step_name(key, "window"),
+                                                                      window)
+            depths = [packaged.load_step(directory, manifest, _step_name(key, f"depth{layout['depth_steps'][j]}"),
+                                         drafter._depth_state(model, j)) for j in range(k)]
+            drafter._packaged[key] = functools.partial(drafter._round, prologue, depths)
+        return drafter
+
+    @property
+    def packaged_buckets(self) -> tuple[tuple[int, int, bool], ...]:
+        """The (batch bucket, rows, sampled) buckets that run a packaged round (:meth:`load_compiled`)."""
+        return tuple(self._packaged)
+
+    def _round_of(self, shape: _BucketBuffers):
+        """The round a bucket runs: its packaged round, else the compiled (or eager) one."""
+        return self._packaged.get(shape.key) or self._compiled_round
+
+    def _geometry_depths(self) -> list[int]:
+        """For each depth 0..K-1, the first depth of its geometry: the one whose step every depth of it runs."""
+        geometries = self.model.config.depths
+        return [next(j for j in range(k + 1) if geometries[j] == geometries[k])
+                for k in range(self.num_speculative_tokens)]
+
+    def _depth_state(self, model: InklingMTP, k: int):
+        return packaged.depth_state(model, model.layers[k], self.cache.depths[k])
+
+    def _history(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.history.input_ids, "positions": self.history.positions, "hidden": self.history.hidden}
 
     # -- buckets, compilation, graphs ---------------------------------------------------------------------------
 
@@ -398,10 +534,14 @@ class Drafter:
         if shape.graph is not None:
             shape.graph.replay()
             return shape.outputs
-        step = self._sampled if shape.sampled else self._greedy
-        if shape.compiled:  # the hot path: no config patching, which costs more than a tiny step
-            with torch.no_grad():
-                return step(*shape.args())
+        step = self._round_of(shape)
+        if shape.compiled or shape.key in self._packaged:  # the hot path: no config patching, which costs more than
+            with torch.no_grad():                           # a tiny step (and a packaged round never needs it)
+                outputs = step(*shape.args())
+                if not shape.compiled and self.uses_graph(shape.batch, shape.rows):
+                    outputs = self._capture(shape, step)
+            shape.compiled = True
+            return outputs
         dynamo_config = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, prepare_freezing=self._freezing)
         with torch.no_grad(), dynamo_config:
             outputs = step(*shape.args())

@@ -126,6 +126,25 @@ def kernel_stats(code: str | list[str] | tuple[str, ...]) -> KernelStats:
     return _cpp_wrapper_stats(code) if _CPP_WRAPPER_MARK in code else _python_wrapper_stats(code)
 
 
+def aoti_package_sources(path) -> dict[str, str]:
+    """The generated C++ of an AOTInductor package (a ``.pt2``): ``{"wrapper": ..., "kernel": ...}`` (CPU: the
+    kernels are in ``kernel``; a CUDA package keeps its Triton kernels as binaries and has no ``kernel``)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        return {name.rsplit(".", 2)[-2]: archive.read(name).decode() for name in archive.namelist()
+                if name.endswith((".wrapper.cpp", ".kernel.cpp"))}
+
+
+def aoti_package_stats(path) -> KernelStats:
+    """Stats of a CPU AOTInductor package: definitions and loop nests from its kernel source, launches and extern
+    calls from its wrapper (whose own helper loops are not kernels)."""
+    sources = aoti_package_sources(path)
+    wrapper, kernels = sources["wrapper"], sources.get("kernel", "")
+    return KernelStats(cpp_kernels=len(set(_CPP_WRAPPER_DEF.findall(kernels))), loop_nests=outer_loops(kernels),
+                       cpp_launches=len(_CPP_WRAPPER_CALL.findall(wrapper)), extern_calls=_AOTI_EXTERN.findall(wrapper))
+
+
 def compile_and_count(fn, *args, **compile_kwargs):
     """``torch.compile(fn, **compile_kwargs)(*args)`` -> (output, KernelStats, generated sources).
 

@@ -1,0 +1,313 @@
+"""Draft steps packaged ahead of time: ``torch.export`` + AOTInductor, run with no Dynamo at call time
+(docs/compile.md §12).
+
+A *step* here is a function of static input buffers that reads tensors held elsewhere and writes some of them in
+place: the drafter's window prologue (its committed rows) and its depth step (one depth's parameters, the shared
+embedding / head, and that depth's cache). Packaging one:
+
+- ``torch.export.export(strict=True)`` traces it the way ``torch.compile`` does (Dynamo), so every op keeps the
+  source stack our passes check (non-strict export records only ``forward`` frames, and the head's fusion would not
+  fire). The tensors the step reads are the exported module's parameters and buffers (found by identity, under the
+  names of the *state* module given with it), so none of them is baked into the program.
+- AOTInductor compiles it with ``package_constants_in_so=False``: the package holds code only, no weight and no
+  cache byte. Our passes run during that compile (Inductor reads the post-grad slot; the FX graph cache is off so
+  that they really run) and their match counts are recorded.
+- At load, ``load_constants(user_managed=True)`` binds the package's constants to the tensors of a state module of
+  the same layout: the loaded step reads the model's parameters (shared with the target) and writes the caller's
+  cache. One package file serves every checkpoint of one config and dtype, and every depth of one geometry (loaded
+  once per depth, each runner bound to that depth's tensors); loading copies nothing. The loaded step keeps
+  references to those tensors (the package holds their raw pointers); an in-place update of a weight is seen, a
+  replaced Parameter is not (load again).
+
+A package is a directory holding ``manifest.json`` (what it was built for, the caller's layout, per step its file,
+checksum, inputs, constants and matches) and one ``.pt2`` per step, written atomically; :func:`read_manifest`,
+:func:`mismatch` and :func:`load_step` read it back, each with an error naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..checkpoint import build_directory_atomically
+from ..model.cache import DepthCache
+from ..model.mtp import InklingMTP, MTPDepth
+
+MANIFEST = "manifest.json"
+FORMAT = "inkling_compiled.packaged/2"
+# What every package is compiled with, on top of the caller's Inductor options: no constants in the package; every
+# parameter kept a constant (Inductor otherwise inlines small ones by value: the MLP's 1-element global_scale would be
+# frozen at the saving checkpoint's value); and a real compile (a cache hit skips our passes and records no matches).
+AOTI_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True,
+                "fx_graph_cache": False}
+# compared at load, in this order
+BUILT_FOR = ("config", "dtype", "quantization", "num_speculative_tokens", "device", "torch", "passes")
+
+
+class PackageError(ValueError):
+    """A package directory that cannot be read or written: missing, incomplete, corrupt, or in the way."""
+
+
+class PackageMismatch(PackageError):
+    """A readable package built for something else; ``fields`` names what differs (of :data:`BUILT_FOR`)."""
+
+    def __init__(self, directory, differences: dict[str, str]):
+        self.fields = tuple(differences)
+        super().__init__(f"the packaged steps in {directory} were built for another setup: "
+                         + "; ".join(differences.values())
+                         + ". Package them again here (save_compiled), or load with fallback=True to compile instead")
+
+
+# ------------------------------------------------------------------------------------------------ what a step reads
+
+def _holder(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A module registering ``tensors`` (the caller's own objects, not copies) as its buffers."""
+    holder = nn.Module()
+    for name, tensor in tensors.items():
+        holder.register_buffer(name, tensor)
+    return holder
+
+
+def depth_state(model: InklingMTP, layer: MTPDepth, cache: DepthCache) -> nn.Module:
+    """What one depth's step reads besides its inputs, under the names its package's constants carry: the depth's
+    parameters (``layer.<name>``), the model's tensors outside its depths (``shared.<name>``: embedding, norms, head)
+    and the depth's cache (``cache.<field>``). The same layout for every depth of one geometry."""
+    state = nn.Module()
+    state.layer = layer
+    state.shared = nn.Module()
+    for name, child in model.named_children():
+        if name != "layers":
+            state.shared.add_module(name, child)
+    for name, parameter in model.named_parameters(recurse=False):
+        state.shared.register_parameter(name, parameter)
+    state.cache = _holder({f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)})
+    return state
+
+
+def history_state(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
+    """What the window prologue reads and writes besides its inputs: the committed rows (``history.<name>``)."""
+    state = nn.Module()
+    state.history = _holder(tensors)
+    return state
+
+
+def _state_tensors(state: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(state.named_parameters(remove_duplicate=False)), **dict(state.named_buffers(remove_duplicate=False))}
+
+
+class _Exported(nn.Module):
+    """``step`` as the module ``torch.export`` takes: the state's modules are its children, so the parameters and
+    buffers the step reaches (by identity) get the state's names. Outputs that are None are left out."""
+
+    def __init__(self, step: Callable, state: nn.Module):
+        super().__init__()
+        for name, child in state.named_children():
+            self.add_module(name, child)
+        self.step = step
+
+    def forward(self, *inputs):
+        return tuple(t for t in self.step(*inputs) if t is not None)
+
+
+def _describe(t: torch.Tensor) -> dict:
+    return {"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype)}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ what it was built for
+
+def config_record(config) -> dict:
+    """The config's compared fields as JSON values (the checkpoint's raw config.json is not part of it)."""
+    record = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.compare}
+    return json.loads(json.dumps(record, default=dataclasses.asdict))
+
+
+def device_kind(device: torch.device) -> str:
+    """What generated code depends on: the CPU's vector ISA, or the GPU's compute capability."""
+    if device.type == "cpu":
+        return f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda sm_{major}{minor}"
+    return device.type
+
+
+def pass_version(inductor_options: Mapping):
+    """The uuid of the post-grad custom pass a compile with these options runs (the caller's override, else the
+    installed slot): our pass manager's uuid, a chain's list of uuids, or None for stock Inductor."""
+    from torch._inductor import config
+
+    slot = inductor_options.get("post_grad_custom_post_pass", config.post_grad_custom_post_pass)
+    if slot is None:
+        return None
+    uuid = slot.uuid() if callable(getattr(slot, "uuid", None)) else None
+    return json.loads(json.dumps(uuid)) if uuid else f"unversioned {type(slot).__name__}"
+
+
+def built_for(model: InklingMTP, inductor_options: Mapping, num_speculative_tokens: int) -> dict:
+    """What a package of a K-depth round for ``model`` compiled with ``inductor_options`` in this process depends on
+    (:data:`BUILT_FOR`; ``config_fields`` only to name the fields when the config differs)."""
+    fields = config_record(model.config)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    quantization = model.quantization
+    return {"config": digest, "config_fields": fields, "dtype": str(model.dtype),
+            "quantization": None if quantization is None else f"{quantization.scheme} head={quantization.head}",
+            "num_speculative_tokens": num_speculative_tokens, "device": device_kind(model.device),
+            "torch": torch.__version__, "passes": pass_version(inductor_options)}
+
+
+def mismatch(directory, manifest: dict, here: dict) -> PackageMismatch | None:
+    """The error naming every :data:`BUILT_FOR` field in which the package differs from ``here``, or None."""
+    recorded = manifest["built_for"]
+    differences = {}
+    for key in BUILT_FOR:
+        if recorded.get(key) == here[key]:
+            continue
+        if key == "config":
+            theirs, ours = recorded.get("config_fields") or {}, here["config_fields"]
+            named = [f"{f} {theirs.get(f)!r} vs {ours.get(f)!r}" for f in ours if theirs.get(f) != ours.get(f)]
+            differences[key] = f"config {recorded.get(key)} vs this model's {here[key]} ({', '.join(named)})"
+        else:
+            differences[key] = f"{key} {recorded.get(key)!r} vs {here[key]!r} here"
+    return PackageMismatch(directory, differences) if differences else None
+
+
+# ------------------------------------------------------------------------------------------------ saving
+
+def save(directory, steps: Mapping[str, tuple[Callable, Sequence[torch.Tensor], nn.Module]], *,
+         built_for: dict, layout: dict, inductor_options: Mapping) -> Path:
+    """Export and package each ``name -> (step, example inputs, state)`` into a new ``directory`` (atomically: it
+    appears complete or not at all); ``layout`` is the caller's record of how to rebuild the states."""
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise PackageError(f"{directory} already exists: packages are not overwritten; remove it or choose another "
+                           "directory")
+
+    def build(temporary: Path) -> None:
+        records = {name: _package(step, inputs, state, temporary / f"{name}.pt2", inductor_options)
+                   for name, (step, inputs, state) in steps.items()}
+        manifest = {"format": FORMAT, "built_for": built_for, "layout": layout,
+                    "threads": torch.get_num_threads(),  # CPU kernels keep the thread count they were compiled with
+                    "steps": records}
+        (temporary / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+    return build_directory_atomically(directory, build, complete=MANIFEST)
+
+
+def _package(step: Callable, inputs: Sequence[torch.Tensor], state: nn.Module, path: Path,
+             inductor_options: Mapping) -> dict:
+    """One step exported and compiled into ``path``; its manifest record."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import aoti_compile_and_package
+
+    from ..passes import pass_manager
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        program = torch.export.export(_Exported(step, state), tuple(inputs), strict=True)
+    baked = sorted(program.constants)
+    if baked:  # a tensor the step reads that is not in the state would be frozen into the package
+        raise PackageError(f"the step reads tensors outside its state (the model's, its cache's): {baked}")
+    before = pass_manager().match_counts()
+    with functorch_config.patch(enable_autograd_cache=False):
+        aoti_compile_and_package(program, package_path=str(path),
+                                 inductor_configs={**inductor_options, **AOTI_OPTIONS})
+    after = pass_manager().match_counts()
+    signature = program.graph_signature
+    read = {*signature.parameters, *signature.buffers}
+    tensors = _state_tensors(state)
+    kept = set(_load(path, next(iter(tensors.values())).device).get_constant_fqns())
+    if read - kept:  # never expected (AOTI_OPTIONS): the package would ignore these tensors of the model it serves
+        raise PackageError(f"AOTInductor compiled {sorted(read - kept)} into the step by value")
+    return {"file": path.name, "sha256": _sha256(path), "inputs": [_describe(t) for t in inputs],
+            "constants": {name: _describe(tensors[name]) for name in sorted(kept)},
+            "matches": {k: after[k] - before.get(k, 0) for k in after}, "seconds": time.perf_counter() - start}
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+def read_manifest(directory, layout_keys: Sequence[str] = ()) -> dict:
+    """The package's manifest, checked for the structure :func:`load_step` relies on and for ``layout_keys`` in its
+    layout; PackageError naming the directory or file when it is missing, unreadable or not a package manifest."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise PackageError(f"no package at {directory}: not a directory")
+    if not path.is_file():
+        raise PackageError(f"{directory} holds no {MANIFEST}: not a package")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PackageError(f"{path} is unreadable: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise PackageError(f"{path} is not a package manifest of format {FORMAT!r} (found {found!r})")
+    problems = [f"{key!r} must be an object" for key in ("built_for", "layout", "steps")
+                if not isinstance(manifest.get(key), dict)]
+    if not problems:
+        problems = [f"steps[{name!r}] lacks {key!r}" for name, record in manifest["steps"].items()
+                    for key in ("file", "sha256", "constants") if not isinstance(record, dict) or key not in record]
+        problems += [f"layout lacks {key!r}" for key in layout_keys if key not in manifest["layout"]]
+    if problems:
+        raise PackageError(f"{path} is damaged: {'; '.join(problems)}")
+    return manifest
+
+
+def load_step(directory, manifest: dict, name: str, state: nn.Module) -> PackagedStep:
+    """Step ``name`` of the package, bound to ``state``'s tensors (which must look as they did when it was saved)."""
+    directory = Path(directory)
+    record = manifest["steps"].get(name)
+    if record is None:
+        raise PackageError(f"{directory}: the manifest has no step {name!r} (it has {sorted(manifest['steps'])})")
+    tensors = _state_tensors(state)
+    wrong = [f"{c} (recorded {want}, found {_describe(tensors[c]) if c in tensors else 'nothing'})"
+             for c, want in record["constants"].items() if c not in tensors or _describe(tensors[c]) != want]
+    if wrong:
+        raise PackageError(f"step {name!r} of the package in {directory} needs tensors this model and drafter do not "
+                           "have: " + "; ".join(wrong))
+    device = next(iter(tensors.values())).device
+    return PackagedStep(directory / record["file"], record["sha256"], {c: tensors[c] for c in record["constants"]},
+                        device)
+
+
+def _load(path: Path, device: torch.device):
+    """The AOTInductor runner in ``path``, single-threaded: no events between runs, which a CUDA graph capture could
+    not record. The C++ loader itself: ``torch._inductor.package.load_package`` adds only a device check (ours is
+    :func:`device_kind`) that costs a second of imports and compiler probing in a fresh process."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1,
+                                                 -1 if device.index is None else device.index)
+
+
+class PackagedStep:
+    """One packaged step bound to the caller's tensors: ``step(*inputs)`` -> list of output tensors."""
+
+    def __init__(self, path: Path, sha256: str, constants: dict[str, torch.Tensor], device: torch.device):
+        if not path.is_file():
+            raise PackageError(f"{path} is missing from its package")
+        if _sha256(path) != sha256:
+            raise PackageError(f"{path} is corrupt: its contents are not what the manifest recorded (sha256)")
+        try:
+            loader = _load(path, device)
+            loader.load_constants(constants, False, True, True)  # active buffer, check all given, user-managed
+        except RuntimeError as e:
+            raise PackageError(f"{path} could not be loaded: {e}") from e
+        self.path = path
+        self._constants = constants  # the package holds their raw pointers: keep them alive
+        self._loader = loader
+        self._run = loader.run  # the C++ call, without the pytree handling of AOTICompiledModel.__call__
+
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        return self._run(inputs)
+
+    def __repr__(self) -> str:
+        return f"PackagedStep({self.path})"

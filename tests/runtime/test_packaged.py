@@ -1,0 +1,306 @@
+"""Packaged drafter rounds (torch.export + AOTInductor, docs/compile.md §12): the same drafts, hiddens and caches as
+the compiled drafter for K = 1 and K = 3 over 64 rounds and every accepted count, no Dynamo at call time, no weights
+in the package, one step per depth geometry, clear errors for a mismatched, missing or damaged package (gpu marker:
+CUDA graphs).
+
+Two packages are built per module and reused, on a 3-depth model (sliding, full, sliding): K = 1 with the two decode
+buckets (one and two rows: two AOTInductor compiles), and K = 3 with one bucket of four rows that every window of a
+round falls in (``graph_rows=(4,)``: the prologue and one step per geometry, three compiles)."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from inkling_compiled.runtime import Drafter, PackageError, PackageMismatch, packaged
+from inkling_compiled.testing.kernel_stats import aoti_package_sources, aoti_package_stats
+from tests.helpers import random_mtp, tiny_text_config
+
+BATCH, MAX_LENGTH, VOCAB, H = 2, 192, 250, 64
+DEPTHS = dict(num_mtp_layers=3, mtp_local_layer_ids=[0, 2])  # depth 1 full attention, depths 0 and 2 sliding
+ROUNDS = 64
+KERNEL_DEFINITION = re.compile(r'extern "C"\s+void\s+(cpp_fused_\w+)\(')
+SETUPS = {1: dict(graph_rows=None, rows=(1, 2)), 3: dict(graph_rows=(4,), rows=(4,))}
+
+
+def tiny_mtp(seed=0, dtype=torch.float32, **overrides):
+    model = random_mtp(tiny_text_config(**{**DEPTHS, **overrides}), seed=seed, dtype=dtype)
+    model.lm_head_weight.mul_(30.0)  # peaked logits: drafts are not near-ties, so a wrong input changes them
+    return model
+
+
+def windows(k, rounds=ROUNDS):
+    """New rows per round: a + 1 after a verification that accepted a of K drafts, a = 0..K in turn."""
+    return [1 + i % (k + 1) for i in range(rounds)]
+
+
+def decode(drafter, rows_per_round, temperature=0.0, seed=0, device="cpu"):
+    """Round after round from position 0 over one fixed stream of committed rows, positions moving by 1..K+1."""
+    length = sum(rows_per_round)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, length), generator=gen).to(device)
+    hidden = torch.randn(BATCH, length, H, generator=gen).to(device=device, dtype=drafter.model.dtype)
+    positions = torch.arange(length, device=device)[None].expand(BATCH, length).contiguous()
+    sampler = torch.Generator(device=device).manual_seed(seed)
+    results, start = [], 0
+    for rows in rows_per_round:
+        window = slice(start, start + rows)
+        results.append(drafter.draft(ids[:, window], positions[:, window], hidden[:, window],
+                                     temperature=temperature, generator=sampler))
+        start += rows
+    return results
+
+
+def assert_same_drafts(results, expected):
+    for got, want in zip(results, expected, strict=True):
+        assert torch.equal(got.drafts, want.drafts)
+        assert (got.hidden - want.hidden).abs().max() <= 1e-5
+
+
+def assert_same_state(drafter, reference):
+    """Every depth's cache, and with K > 1 the committed rows, equal the reference drafter's (the scratch slot
+    included: padding rows of a sliding depth write NaN there in both)."""
+    for theirs, ours in zip(reference.cache.depths, drafter.cache.depths, strict=True):
+        for a, b in zip(theirs.tensors(), ours.tensors()):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0, equal_nan=True)
+    if reference.history is not None:
+        assert torch.equal(reference.history.positions, drafter.history.positions)
+        assert torch.equal(reference.history.input_ids, drafter.history.input_ids)
+        assert (reference.history.hidden - drafter.history.hidden).abs().max() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_mtp()
+
+
+@pytest.fixture(scope="module")
+def compiled(model, one_thread):
+    """The compiled drafter of each K (compiled on first use)."""
+    return {k: Drafter(model, BATCH, MAX_LENGTH, num_speculative_tokens=k, graph_rows=setup["graph_rows"])
+            for k, setup in SETUPS.items()}
+
+
+@pytest.fixture(scope="module")
+def packages(compiled, tmp_path_factory):
+    root = tmp_path_factory.mktemp("packaged")
+    return {k: compiled[k].save_compiled(root / f"k{k}", batch_sizes=(BATCH,), rows=SETUPS[k]["rows"])
+            for k in SETUPS}
+
+
+@pytest.fixture
+def copied(packages, tmp_path):
+    """A copy of the K = 1 package, to damage or edit."""
+    return shutil.copytree(packages[1], tmp_path / "copy")
+
+
+def read_manifest(directory):
+    return json.loads((directory / packaged.MANIFEST).read_text())
+
+
+def edit_manifest(directory, edit):
+    manifest = read_manifest(directory)
+    edit(manifest)
+    (directory / packaged.MANIFEST).write_text(json.dumps(manifest))
+    return directory
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("k", sorted(SETUPS))
+def test_packaged_rounds_equal_the_compiled_drafter_over_64_rounds_and_every_accepted_count(model, compiled,
+                                                                                            packages, k):
+    expected = decode(compiled[k], windows(k))
+    loaded = Drafter.load_compiled(packages[k], model)
+    assert loaded.num_speculative_tokens == k
+    assert loaded.packaged_buckets == tuple((BATCH, rows, False) for rows in SETUPS[k]["rows"])
+    graphs = counters["stats"]["unique_graphs"]
+    results = decode(loaded, windows(k))
+    assert counters["stats"]["unique_graphs"] == graphs  # no Dynamo at call time ...
+    assert "_depth_step" not in vars(loaded) and "_window_step" not in vars(loaded)  # ... nor a torch.compile wrapper
+    assert_same_drafts(results, expected)
+    assert all(result.drafts.shape == (BATCH, k) for result in results)
+    assert_same_state(loaded, compiled[k])
+
+
+def test_one_step_per_depth_geometry_serves_every_depth_of_it(packages):
+    manifest = read_manifest(packages[3])
+    assert manifest["layout"]["depth_steps"] == [0, 1, 0]  # depth 2 runs depth 0's step (both sliding)
+    assert sorted(manifest["steps"]) == ["b2-r4-greedy-depth0", "b2-r4-greedy-depth1", "b2-r4-greedy-window"]
+    window = manifest["steps"]["b2-r4-greedy-window"]
+    assert sorted(window["constants"]) == ["history.hidden", "history.input_ids", "history.positions"]
+    depth = manifest["steps"]["b2-r4-greedy-depth0"]["constants"]
+    assert {name.split(".")[0] for name in depth} == {"layer", "shared", "cache"}
+    assert "shared.lm_head_weight" in depth and "layer.input_proj.weight" in depth and "cache.k" in depth
+
+
+def test_packaged_compile_ran_our_passes_and_its_code_holds_the_addmm_and_one_fused_input_kernel(packages):
+    for directory in packages.values():
+        for name, step in read_manifest(directory)["steps"].items():
+            if name.endswith("window"):
+                continue
+            assert step["matches"]["fuse_draft_input_embed"] == 1 and step["matches"]["fold_mup_scale"] == 1, name
+            code = aoti_package_sources(directory / step["file"])
+            kernels = sorted(set(KERNEL_DEFINITION.findall(code["kernel"])))
+            stats = aoti_package_stats(directory / step["file"])
+            assert stats.extern_calls.count("addmm") == 1  # the muP head: one GEMM, its scale folded in
+            assert stats.cpp_kernels == len(kernels)
+            inputs = [k for k in kernels if "embedding" in k]
+            assert len(inputs) == 1 and "where" in inputs[0]  # gather + norms + concat: one kernel
+            assert not [k for k in kernels if "_cat_" in k]
+
+
+@torch.no_grad()
+def test_the_package_holds_no_weights_and_serves_another_checkpoint_of_the_config(packages):
+    other = tiny_mtp(seed=1)
+    for step in packages[3].glob("*.pt2"):
+        data = step.read_bytes()
+        for m in (other, tiny_mtp()):
+            assert m.lm_head_weight[0, :8].numpy().tobytes() not in data
+            assert m.layers[2].input_proj.weight[0, :8].numpy().tobytes() not in data
+    scale = [m.layers[2].transformer_block.mlp.global_scale for m in (other, tiny_mtp())]
+    assert scale[0] != scale[1]  # a 1-element parameter too: Inductor would otherwise inline it by value
+    eager = Drafter(other, BATCH, MAX_LENGTH, num_speculative_tokens=3, graph_rows=(4,), compile=False)
+    expected = decode(eager, windows(3, 8))
+    loaded = Drafter.load_compiled(packages[3], other, compile=False)
+    assert_same_drafts(decode(loaded, windows(3, 8)), expected)
+    assert_same_state(loaded, eager)
+
+
+@pytest.mark.parametrize("make, field, named", [
+    (lambda: tiny_mtp(intermediate_size=128), "config", "intermediate_size 96 vs 128"),
+    (lambda: tiny_mtp(dtype=torch.bfloat16), "dtype", "'torch.float32' vs 'torch.bfloat16'"),
+])
+def test_a_package_for_another_config_or_dtype_is_refused_naming_what_differs(packages, make, field, named):
+    with pytest.raises(PackageMismatch, match="built for another setup") as raised:
+        Drafter.load_compiled(packages[1], make())
+    assert raised.value.fields == (field,) and named in str(raised.value)
+
+
+def test_a_package_for_another_k_is_refused_naming_it(model, packages):
+    with pytest.raises(PackageMismatch, match="num_speculative_tokens 3 vs 2 here") as raised:
+        Drafter.load_compiled(packages[3], model, num_speculative_tokens=2)
+    assert raised.value.fields == ("num_speculative_tokens",)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an int in \[1, 3\]"):
+        Drafter.load_compiled(packages[3], model, num_speculative_tokens=4)
+
+
+@pytest.mark.parametrize("field, recorded", [("torch", "2.11.0"), ("device", "cpu AVX512"), ("passes", None)])
+def test_a_package_recorded_for_another_torch_device_or_pass_version_is_refused(model, copied, field, recorded):
+    directory = edit_manifest(copied, lambda m: m["built_for"].update({field: recorded}))
+    with pytest.raises(PackageMismatch) as raised:
+        Drafter.load_compiled(directory, model)
+    here = packaged.built_for(model, {}, 1)[field]
+    assert raised.value.fields == (field,) and f"{field} {recorded!r} vs {here!r} here" in str(raised.value)
+
+
+@torch.no_grad()
+def test_fallback_warns_and_drafts_with_the_usual_step(model, compiled, copied):
+    directory = edit_manifest(copied, lambda m: m["built_for"].update(torch="2.11.0"))
+    with pytest.warns(RuntimeWarning, match="torch '2.11.0'"):
+        drafter = Drafter.load_compiled(directory, model, fallback=True, compile=False)
+    assert drafter.packaged_buckets == () and (drafter.max_batch_size, drafter.max_length) == (BATCH, MAX_LENGTH)
+    reference = Drafter(model, BATCH, MAX_LENGTH, compile=False)
+    assert_same_drafts(decode(drafter, [1, 2]), decode(reference, [1, 2]))
+
+
+def test_a_missing_or_damaged_package_is_a_clear_error(model, copied, tmp_path):
+    with pytest.raises(PackageError, match="not a directory"):
+        Drafter.load_compiled(tmp_path / "nowhere", model)
+    with pytest.raises(PackageError, match="holds no manifest.json"):
+        Drafter.load_compiled(tmp_path, model)
+    step = next(copied.glob("*.pt2"))
+    data = bytearray(step.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    step.write_bytes(bytes(data))
+    with pytest.raises(PackageError, match=f"{step.name} is corrupt"):
+        Drafter.load_compiled(copied, model)
+    step.unlink()
+    with pytest.raises(PackageError, match=f"{step.name} is missing"):
+        Drafter.load_compiled(copied, model)
+    (copied / packaged.MANIFEST).write_text("{not json")
+    with pytest.raises(PackageError, match="manifest.json is unreadable"):
+        Drafter.load_compiled(copied, model)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m.update(format="other/9"), "not a package manifest of format"),
+    (lambda m: m.pop("steps"), "'steps' must be an object"),
+    (lambda m: m["layout"].pop("buckets"), "layout lacks 'buckets'"),
+    (lambda m: m["steps"].pop("b2-r2-greedy-depth0"), "the manifest has no step 'b2-r2-greedy-depth0'"),
+    (lambda m: m["layout"].update(max_length=64), r"needs tensors this model and drafter do not have: cache\.conv"),
+])
+def test_a_damaged_manifest_is_a_clear_error(model, copied, edit, match):
+    with pytest.raises(PackageError, match=match):
+        Drafter.load_compiled(edit_manifest(copied, edit), model)
+
+
+def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(compiled, packages, tmp_path,
+                                                                               monkeypatch):
+    with pytest.raises(PackageError, match="already exists"):
+        compiled[1].save_compiled(packages[1])
+
+    def fail(step, inputs, state, path, options):
+        path.write_bytes(b"half a package")
+        raise RuntimeError("compiler crashed")
+
+    monkeypatch.setattr(packaged, "_package", fail)
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        compiled[1].save_compiled(tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_sizes=(3,)), "exceeds the drafter's max_batch_size 2"),
+    (dict(rows=(0,)), "each of rows must be an int >= 1"),
+    (dict(sampled=1), "sampled must be a bool"),
+])
+def test_save_compiled_arguments_are_checked(compiled, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        compiled[1].save_compiled(tmp_path / "p", **kwargs)
+
+
+def test_a_quantized_drafter_with_frozen_weights_is_not_packaged(tmp_path):
+    model = tiny_mtp(dtype=torch.bfloat16).quantize_("int8")
+    with pytest.raises(ValueError, match="compiles with Inductor freezing"):
+        Drafter(model, BATCH, MAX_LENGTH).save_compiled(tmp_path / "p")
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_step_reading_a_tensor_outside_its_state_is_not_packaged(model, compiled, tmp_path):
+    stray = torch.ones(H)
+    state = packaged.depth_state(model, model.layers[0], compiled[1].cache.depths[0])
+    with pytest.raises(PackageError, match="reads tensors outside its state"):
+        packaged.save(tmp_path / "p", {"step": (lambda x: (model.compute_logits(x * stray),), (torch.zeros(2, H),),
+                                                state)}, built_for={}, layout={}, inductor_options={})
+    assert not (tmp_path / "p").exists()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@torch.no_grad()
+def test_packaged_rounds_replay_as_graphs_on_cuda_like_the_compiled_ones(tmp_path):
+    """K = 3, greedy and sampled, fp32 so that the two compiles agree to rounding (a bf16 near-tie could flip a
+    token): the whole packaged round (prologue and every depth's step) is captured as one CUDA graph."""
+    model = tiny_mtp().cuda()
+    graphs = Drafter(model, BATCH, MAX_LENGTH, num_speculative_tokens=3, cuda_graphs=True, graph_rows=(4,))
+    directory = graphs.save_compiled(tmp_path / "cuda", rows=(4,), batch_sizes=(BATCH,), sampled=True)
+    manifest = read_manifest(directory)
+    assert all(step["matches"]["fold_mup_scale"] == 1 for name, step in manifest["steps"].items()
+               if not name.endswith("window"))
+    loaded = Drafter.load_compiled(directory, model)
+    assert loaded.packaged_buckets == ((BATCH, 4, False), (BATCH, 4, True))
+    for temperature in (0.0, 0.8):
+        expected = decode(graphs, windows(3, 16), temperature, device="cuda")
+        results = decode(loaded, windows(3, 16), temperature, device="cuda")
+        assert_same_drafts(results, expected)
+        for got, want in zip(results, expected):
+            assert (got.draft_probs is None) == (temperature == 0)
+            assert got.draft_probs is None or (got.draft_probs - want.draft_probs).abs().max() <= 1e-5
+        assert loaded._shapes[(BATCH, 4, temperature > 0)].graph is not None  # captured, then replayed
+    assert_same_state(loaded, graphs)
