@@ -202,7 +202,7 @@ def test_fallback_warns_and_drafts_with_the_usual_step(model, compiled, copied):
     with pytest.warns(RuntimeWarning, match="torch '2.11.0'"):
         drafter = Drafter.load_compiled(directory, model, fallback=True, compile=False)
     assert drafter.packaged_buckets == () and (drafter.max_batch_size, drafter.max_length) == (BATCH, MAX_LENGTH)
-    reference = Drafter(model, BATCH, MAX_LENGTH, compile=False)
+    reference = Drafter(model, BATCH, MAX_LENGTH, compile=False, num_speculative_tokens=1)  # the package's K
     assert_same_drafts(decode(drafter, [1, 2]), decode(reference, [1, 2]))
 
 
