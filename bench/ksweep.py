@@ -63,6 +63,7 @@ class KSweepConfig:
     cold_compile: bool = True
     hf_mtp: bool = True
     batch4_compiled: bool = False  # the batch of 4 with compiled drafters too (their own graphs: minutes of compile)
+    compiled: bool = True  # False: eager drafters everywhere (the same tokens; for tests)
 
 
 def _cpu_seconds() -> float:
@@ -226,9 +227,10 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig_mtp)
         return out, rounds
 
-    drafters = {k: Drafter(mtp, 1, max_length, num_speculative_tokens=k) for k in ks}
+    drafters = {k: Drafter(mtp, 1, max_length, num_speculative_tokens=k, compile=cfg.compiled) for k in ks}
+    batch4_compiled = cfg.compiled and cfg.batch4_compiled
     batch_drafters = {k: Drafter(mtp, LOCKSTEP_BATCH, max_length, num_speculative_tokens=k,
-                                 compile=cfg.batch4_compiled) for k in ks}
+                                 compile=batch4_compiled) for k in ks}
     compile_s = {}
     with torch.no_grad():
         progress("ksweep: warm-up of the target" + (" and transformers' MTP" if cfg.hf_mtp else ""))
@@ -238,7 +240,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             hf_mtp(singles[0])
         for k, drafter in drafters.items():
             progress(f"ksweep: K={k} warm-up (compiles the decode and prefill windows, batch 1"
-                     + (f" and {LOCKSTEP_BATCH})" if cfg.batch4_compiled else ")"))
+                     + (f" and {LOCKSTEP_BATCH})" if batch4_compiled else ")"))
             t0 = time.perf_counter()
             speculative_generate(target, drafter, singles[0], max_new_tokens=cfg.new_tokens)
             compile_s[k] = time.perf_counter() - t0
@@ -262,7 +264,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
                 outputs[k].append(out)
                 same[k] &= torch.equal(out.sequences, reference[i])
         progress(f"ksweep: one left-padded batch of {LOCKSTEP_BATCH}, every K "
-                 f"({'compiled' if cfg.batch4_compiled else 'eager'} drafters)")
+                 f"({'compiled' if batch4_compiled else 'eager'} drafters)")
         _, batch_target_s = _timed(lambda: target_alone(batch_ids, batch_mask))
         batched = {}
         for k in ks:
@@ -273,7 +275,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
         for k in ks:
             rounds_ms[k] = {"1": round_latency(drafters[k], 1, 1, cfg.latency_rounds, cfg.seed),
                             "all": round_latency(drafters[k], 1, k + 1, cfg.latency_rounds, cfg.seed)}
-            if cfg.batch4_compiled:
+            if batch4_compiled:
                 rounds_ms[k][str(LOCKSTEP_BATCH)] = round_latency(batch_drafters[k], LOCKSTEP_BATCH, 1,
                                                                   cfg.latency_rounds, cfg.seed)
 
@@ -303,7 +305,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             "draft_round_ms": {b: r[0] for b, r in rounds_ms[k].items() if b != "all"},
             "draft_round_cpu_ms": {b: r[1] for b, r in rounds_ms[k].items() if b != "all"},
             "draft_round_all_accepted_ms": rounds_ms[k]["all"][0], "compile_s": compile_s[k], "cold_compile": None,
-            "batch4": {"compiled": cfg.batch4_compiled, "tokens_per_s": batch_tokens / t,
+            "batch4": {"compiled": batch4_compiled, "tokens_per_s": batch_tokens / t,
                        "speedup_vs_target": batch_target_s / t,
                        "mean_accepted_length": lockstep["mean_accepted_length"],
                        "acceptance_per_position": lockstep["acceptance_per_position"],
