@@ -557,22 +557,17 @@ def _run(s: Settings, given: list[str]) -> dict:
             progress(f"{preset}: FAILED: {type(e).__name__}: {e}")
             out["error"] = f"{type(e).__name__}: {e}"[:2000]
         save(f"{preset}")
-    if s.runs("e2e"):
-        try:
-            result["e2e"] = e2e_section(s)
-        except Exception as e:  # noqa: BLE001
-            progress(f"e2e: FAILED: {type(e).__name__}: {e}")
-            result["e2e"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        save("e2e")
     if s.runs("depths") and s.device != "cpu":
         progress("depths: the K sweep runs on CPU only (bench.ksweep); left out on this device")
-    elif s.runs("depths"):
+    for name, section in (("e2e", e2e_section), ("depths", depths_section)):
+        if not s.runs(name) or name == "depths" and s.device != "cpu":
+            continue
         try:
-            result["depths"] = depths_section(s)
-        except Exception as e:  # noqa: BLE001
-            progress(f"depths: FAILED: {type(e).__name__}: {e}")
-            result["depths"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        save("depths")
+            result[name] = section(s)
+        except Exception as e:  # noqa: BLE001 - record it and go on
+            progress(f"{name}: FAILED: {type(e).__name__}: {e}")
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        save(name)
     save(partial=False)
     table = report.format_table(result)
     print(table, flush=True)
