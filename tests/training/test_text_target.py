@@ -225,10 +225,25 @@ def test_distill_takes_given_prompts_and_checks_them(built):
 
 # ------------------------------------------------------------------------------------------------------- lossless
 
-@pytest.mark.parametrize("k", [1, 3, 8])
-def test_speculative_greedy_is_token_identical_on_heldout_prompts(built, k):
+@pytest.fixture(scope="module")
+def heldout_cases(built):
+    """(target, [(prompt, mask, target.generate's greedy output)]): three held-out prompts alone and a left-padded
+    batch of three of different lengths, 24 new tokens each, no EOS stop."""
     target = load_hf_target(built)
     target.generation_config.eos_token_id = None  # full-length continuations
+    ids = T.heldout_prompts(6, 16, seed=0)
+    cases = [(ids[i:i + 1], torch.ones(1, 16, dtype=torch.long)) for i in range(3)]
+    mask = torch.ones(3, 16, dtype=torch.long)
+    mask[1, :5] = mask[2, :9] = 0  # left padding: rows of different lengths
+    cases.append((ids[3:].masked_fill(mask == 0, T.PAD_ID), mask))
+    with torch.no_grad():
+        return target, [(prompt, m, target.generate(prompt, attention_mask=m, do_sample=False, max_new_tokens=24,
+                                                    pad_token_id=T.PAD_ID)) for prompt, m in cases]
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_speculative_greedy_is_token_identical_on_heldout_prompts(built, heldout_cases, k):
+    target, cases = heldout_cases
     distilled = InklingMTP.from_pretrained(built, target=target)
     scrambled = InklingMTP.from_pretrained(built, target=target)
     # The reduced target continues with spaces only, which its distilled MTP always drafts right: a scrambled copy
@@ -238,18 +253,11 @@ def test_speculative_greedy_is_token_identical_on_heldout_prompts(built, k):
         for name, p in scrambled.named_parameters():
             if name.startswith("layers."):
                 p.add_(torch.randn(p.shape, generator=gen))
-    ids = T.heldout_prompts(6, 16, seed=0)
-    cases = [(ids[i:i + 1], torch.ones(1, 16, dtype=torch.long)) for i in range(3)]
-    mask = torch.ones(3, 16, dtype=torch.long)
-    mask[1, :5] = mask[2, :9] = 0  # left padding: rows of different lengths
-    cases.append((ids[3:].masked_fill(mask == 0, T.PAD_ID), mask))
     accepted, rejected = 0, 0
     for mtp in (distilled, scrambled):
         drafter = Drafter(mtp, max_batch_size=3, max_length=64, num_speculative_tokens=k, compile=False)
-        for prompt, m in cases:
+        for prompt, m, expected in cases:
             ours = speculative_generate(target, drafter, prompt, m, max_new_tokens=24, pad_token_id=T.PAD_ID)
-            expected = target.generate(prompt, attention_mask=m, do_sample=False, max_new_tokens=24,
-                                       pad_token_id=T.PAD_ID)
             assert torch.equal(ours.sequences, expected)
             accepted, rejected = accepted + ours.num_accepted, rejected + ours.num_drafted - ours.num_accepted
     assert accepted > 0 and rejected > 0  # both paths of the loop ran
