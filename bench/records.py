@@ -37,6 +37,9 @@ class Settings(TypedDict):
     quick: bool
     skip: list[str]
     opt_in: NotRequired[list[str]]  # the sections asked for with --with
+    e2e_target: NotRequired[str]  # "text", "synthetic" or the --e2e-checkpoint directory
+    ks: NotRequired[list[int]]  # the K sweep's K values
+    full_sweep: NotRequired[bool]  # the sweep's batch of 4 compiled too
 
 
 class Depth0(TypedDict):

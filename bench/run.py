@@ -126,7 +126,9 @@ class Settings:
         """``records.Settings``"""
         return {"configs": list(self.configs), "device": self.device, "dtype": self.dtype,
                 "batch_sizes": list(self.batch_sizes), "context": self.context, "max_length": self.max_length,
-                "threads": self.threads, "quick": self.quick, "skip": sorted(self.skip), "opt_in": sorted(self.with_)}
+                "threads": self.threads, "quick": self.quick, "skip": sorted(self.skip), "opt_in": sorted(self.with_),
+                "e2e_target": str(self.e2e_checkpoint or self.e2e_target), "ks": list(self.ks),
+                "full_sweep": self.full_sweep}
 
 
 # ------------------------------------------------------------------------------------------------------ machine
