@@ -1,4 +1,4 @@
-"""Self-distillation of the MTP depths on a synthetic target's own greedy continuations.
+"""Self-distillation of the MTP depths on a target's own greedy continuations (synthetic, or the text target).
 
 Random MTP weights draft nothing the target accepts, so an honest end-to-end speed-up needs a draft head that has
 learnt the target. This module trains the MTP depths of a raw-layout Inkling checkpoint (the target frozen, its
