@@ -484,7 +484,7 @@ def parse_args(argv=None) -> Settings:
     except ValueError:
         p.error(f"--ks must be comma-separated integers, got {a.ks!r}")
     if not ks or min(ks) < 1:
-        p.error(f"--ks must name at least one K >= 1, got {a.ks!r}")
+        p.error(f"--ks must name one or more K values, each >= 1, got {a.ks!r}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False")
     max_length = a.max_length or a.context + 64

@@ -94,7 +94,9 @@ def test_results_stay_out_of_the_tracked_tree_unless_recorded():
                                            (["--no-compile"], "unrecognized arguments: --no-compile"),
                                            (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated"),
                                            (["--with", "latency"], "not opt-in: ['latency']; choose from quant"),
-                                           (["--with", "quant", "--skip", "quant"], "both skipped and asked for")])
+                                           (["--with", "quant", "--skip", "quant"], "both skipped and asked for"),
+                                           (["--ks", "1,two"], "--ks must be comma-separated integers, got '1,two'"),
+                                           (["--ks", "0,4"], "each >= 1, got '0,4'")])
 def test_bad_arguments_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit):
         run.parse_args(argv)
