@@ -1,9 +1,11 @@
-"""End to end on the self-distilled tiny target: tokens/s and acceptance, greedy, batch 1.
+"""End to end on a self-distilled target: tokens/s and acceptance, greedy, batch 1, one draft per round (K = 1;
+:mod:`bench.ksweep` sweeps K).
 
-Runs, on the same prompts (random ids, the distribution the draft head was distilled on) and for the same number of
-new tokens with no EOS stop: the target alone (``target.generate(do_sample=False)``, and a minimal greedy loop making
-the same target calls as our speculative loop, which separates the speculative gain from ``generate``'s own
-per-token overhead), transformers' own MTP
+``python -m bench.run`` runs it on the text target (:mod:`inkling_compiled.training.text_target`) with held-out
+source lines as prompts; given no prompts it draws random ids (the distribution a synthetic target's draft head was
+distilled on). Runs, on the same prompts and for the same number of new tokens with no EOS stop: the target alone
+(``target.generate(do_sample=False)``, and a minimal greedy loop making the same target calls as our speculative
+loop, which separates the speculative gain from ``generate``'s own per-token overhead), transformers' own MTP
 speculative decoding (``generate(use_mtp=True)``, which drafts with every MTP depth and rebuilds its ``MtpModel``
 inside each call), and ours (``speculative_generate`` with a ``Drafter`` over depth 0: eager, and compiled with our
 passes). Every method gets one untimed warm-up call (compiles the drafter's prefill / 1-row / 2-row shapes), then
@@ -66,15 +68,28 @@ def count_hf_matches():
         MTPCandidateGenerator.update_candidate_strategy = update
 
 
-def distilled_checkpoint(steps: int | None = None, progress=print):
-    """The tiny target's checkpoint with its MTP self-distilled (both cached after the first run, under
+def distilled_checkpoint(steps: int | None = None, progress=print, preset: str = "tiny"):
+    """The synthetic ``preset``'s checkpoint with its MTP self-distilled (both cached after the first run, under
     ``INKLING_COMPILED_CACHE``): ``python -c "from bench.e2e import distilled_checkpoint; distilled_checkpoint()"``
     builds it ahead of a run on another machine."""
     from inkling_compiled.testing.synthetic import cached_checkpoint
     from inkling_compiled.training.distill import distill
 
-    progress("e2e: tiny target checkpoint + self-distilled MTP (cached after the first run)")
-    return distill(cached_checkpoint("tiny"), progress=True, **({"steps": steps} if steps else {}))
+    progress(f"e2e: {preset} target checkpoint + self-distilled MTP (cached after the first run)")
+    return distill(cached_checkpoint(preset), progress=True, **({"steps": steps} if steps else {}))
+
+
+def prompt_batch(prompts: torch.Tensor | None, count: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    """The first ``count`` rows of ``prompts`` [N, P] (checked), or ``count`` seeded random prompts of ``length``
+    ids when it is None."""
+    if prompts is None:
+        gen = torch.Generator().manual_seed(seed + 1000)
+        return torch.randint(3, vocab, (count, length), generator=gen)
+    if prompts.dim() != 2 or prompts.shape[0] < count or prompts.dtype != torch.long:
+        raise ValueError(f"prompts must be int64 [N >= {count}, P], got {prompts.dtype} {tuple(prompts.shape)}")
+    if int(prompts.min()) < 0 or int(prompts.max()) >= vocab:
+        raise ValueError(f"prompt ids must lie in [0, {vocab}), got [{int(prompts.min())}, {int(prompts.max())}]")
+    return prompts[:count]
 
 
 def _sync(device):
@@ -83,20 +98,22 @@ def _sync(device):
 
 
 def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig | None = None, progress=lambda msg: None,
-            distill_metrics: dict | None = None) -> dict:
-    """Tokens/s and acceptance of each method on ``checkpoint`` (a distilled raw-layout directory), fp32."""
+            distill_metrics: dict | None = None, prompts: torch.Tensor | None = None, target_label: str = "") -> dict:
+    """Tokens/s and acceptance of each method on ``checkpoint`` (a distilled raw-layout directory), fp32.
+
+    ``prompts`` [N >= cfg.prompts, P] (held-out text, say) replace the random ids of ``cfg.prompt_len``;
+    ``target_label`` says what the target is in the record and the table."""
     cfg = cfg or E2EConfig()
     device = torch.device(device)
     target = load_hf_target(checkpoint, dtype=torch.float32).to(device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(checkpoint, target=target)
     text = target.config.get_text_config()
     vocab = logits_vocab_size(text)
-    gen = torch.Generator().manual_seed(cfg.seed + 1000)
-    prompts = [torch.randint(3, vocab, (1, cfg.prompt_len), generator=gen).to(device) for _ in range(cfg.prompts)]
+    prompts = [row[None].to(device) for row in prompt_batch(prompts, cfg.prompts, cfg.prompt_len, vocab, cfg.seed)]
     gconfig = greedy_generation_config(target, cfg.new_tokens)
     gconfig_mtp = greedy_generation_config(target, cfg.new_tokens)
     gconfig_mtp.use_mtp = True
-    max_length = cfg.prompt_len + cfg.new_tokens + 8
+    max_length = prompts[0].shape[1] + cfg.new_tokens + 8
 
     def target_alone(p):
         out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig)
@@ -185,5 +202,6 @@ def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig | None = None, progress=
     for r in results.values():
         r["speedup_vs_target"] = r["tokens_per_s"] / base
     return {"checkpoint": str(checkpoint), "device": str(device), "prompts": cfg.prompts,
-            "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "methods": results,
-            "hf_mtp_depths": text.num_mtp_layers, "distill": distill_metrics}
+            "prompt_len": prompts[0].shape[1], "new_tokens": cfg.new_tokens, "methods": results,
+            "hf_mtp_depths": text.num_mtp_layers, "distill": distill_metrics,
+            "target": target_label or "distilled synthetic target, random prompts"}

@@ -1,26 +1,32 @@
-"""The K sweep: K = 1, 2, 4, 8 chained MTP depths per round on one distilled checkpoint (issue 11).
+"""The K sweep: K = 1, 2, 4, 8 chained MTP depths per round on one distilled checkpoint (issues 11 and 12).
 
-:func:`run_ksweep` returns, for each K, from one run:
+:func:`run_ksweep` returns the ``depths`` section of ``python -m bench.run`` (``records.Depths``): for each K the
+checkpoint's depths allow, from one run,
 
-* ``compile``: the cold compile of a drafter's greedy decode windows (K and K + 1 rows, batch 1), each K in a fresh
-  subprocess with an empty Inductor cache: wall seconds and CPU seconds (the process and its C++ compiler children,
-  the steadier figure on a shared machine), graphs compiled, our passes' match counts, and recompiles over 64 rounds
-  at advancing positions with every accepted count. ``compile_ratio`` is K's CPU seconds over K = 1's.
-* ``round_ms``: draft-round latency of the compiled drafter (``Drafter.draft`` on the verified rows of a round, at
-  advancing positions), batch 1 and 4, the K-row window (after a rejection) and, batch 1, the K + 1-row one (all
-  accepted): median wall ms and median thread-CPU ms (one intra-op thread: the work itself, without the time another
-  process held the core).
-* ``e2e``: greedy batch-1 tokens/s of ``speculative_generate`` with that drafter, ``mean_accepted_length``,
-  ``acceptance_per_position``, ``1 + sum(acceptance_per_position)`` (what each sequence accepted: equal to the mean
-  accepted length at batch 1), the same for one left-padded batch of 4 (the gap is the lockstep cost), and whether
-  the tokens equal the target's greedy ``generate``.
+* end to end: greedy batch-1 tokens/s of ``speculative_generate`` with a compiled K-depth drafter, its speed-up over
+  the target alone (``target.generate(do_sample=False)``) and over transformers' ``generate(use_mtp=True)`` (every
+  depth of its ``MtpModel``, batch 1), ``mean_accepted_length`` and ``acceptance_per_position`` (docs/protocol.md
+  §6.8), whether the tokens equal the target's; and the same for one left-padded batch of 4 (``batch4``), whose
+  mean accepted length against ``per_sequence_accepted_length`` (``1 + sum(acceptance_per_position)``: what each
+  sequence accepted on its own) is the lockstep cost. The batch of 4 runs an eager drafter unless
+  ``batch4_compiled`` (its compiled graphs are as many again as batch 1's: minutes of compile on a 2-core CPU; the
+  acceptance figures are the same either way);
+* ``draft_round_ms``: draft-round latency of the compiled drafter (``Drafter.draft`` on one new verified row, the
+  K-row window after a rejection, positions advancing), batch 1 (and 4 with ``batch4_compiled``), wall ms, with the
+  median thread-CPU ms beside it (one intra-op thread: the work itself, without the time another process held the
+  core), and batch 1's K + 1-row window (all drafts accepted);
+* ``cold_compile``: the compile of the K-depth drafter's greedy decode windows (K and K + 1 rows, batch 1) in a
+  fresh subprocess with an empty Inductor cache: wall and CPU seconds (the process and its C++ compiler children,
+  the steadier figure on a shared machine), CPU seconds over the first K's, graphs compiled, our passes' matches and
+  recompiles over 64 rounds at advancing positions with every accepted count.
 
-Baselines from the same run, on the same prompts: the target alone (``generate(do_sample=False)``) and transformers'
-``generate(use_mtp=True)`` (every depth of its ``MtpModel``, batch 1).
+The methods take turns prompt by prompt, so drift on a shared machine hits them alike; every drafter gets an
+untimed warm-up (its compiles: ``compile_s``) first.
 
     python -m bench.ksweep [--checkpoint DIR] [--ks 1,2,4,8] [--json out.json]
 
-(default checkpoint: the ``tiny8`` synthetic preset, self-distilled and cached).
+(default checkpoint: the ``tiny8`` synthetic preset, self-distilled and cached; ``python -m bench.run`` runs the
+sweep on the text target with held-out prompts).
 """
 
 from __future__ import annotations
@@ -35,21 +41,29 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from .timing import Stats
+
 PROBE_PREFIX = "KSWEEP_PROBE: "
+LOCKSTEP_BATCH = 4
 
 
 @dataclass
 class KSweepConfig:
     ks: tuple[int, ...] = (1, 2, 4, 8)
-    prompts: int = 4
+    prompts: int = 4  # batch-1 prompts; the batch of LOCKSTEP_BATCH takes the first ones
     prompt_len: int = 8
     new_tokens: int = 64
     latency_rounds: int = 200
     seed: int = 0
     threads: int = 1
+    cold_compile: bool = True
+    hf_mtp: bool = True
+    batch4_compiled: bool = False  # the batch of 4 with compiled drafters too (their own graphs: minutes of compile)
+    compiled: bool = True  # False: eager drafters everywhere (the same tokens; for tests)
 
 
 def _cpu_seconds() -> float:
@@ -86,16 +100,19 @@ def compile_probe(checkpoint, k: int, threads: int = 1) -> dict:
         rows = i % (k + 1) + 1
         drafter.draft(*_rows(mtp.config, 1, start, rows, gen), validate=False)
         start += rows
-    return {"k": k, "wall_s": wall, "cpu_s": cpu, "graphs": graphs, "matches": passes.match_counts(),
+    return {"wall_s": wall, "cpu_s": cpu, "graphs": graphs, "matches": passes.match_counts(),
             "recompiles_over_64_rounds": counters["stats"]["unique_graphs"] - graphs}
 
 
 def cold_compile(checkpoint, k: int, threads: int = 1) -> dict:
     """:func:`compile_probe` in a subprocess with an empty Inductor cache (what a first run on a machine costs)."""
+    repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="ksweep-inductor-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
         out = subprocess.run([sys.executable, "-m", "bench.ksweep", "--probe", str(k), "--checkpoint", str(checkpoint),
-                              "--threads", str(threads)], env=env, capture_output=True, text=True, check=False)
+                              "--threads", str(threads)], cwd=repo, env=env, capture_output=True, text=True,
+                             check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith(PROBE_PREFIX)]
     if out.returncode or not lines:
         raise RuntimeError(f"compile probe for K={k} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
@@ -104,9 +121,9 @@ def cold_compile(checkpoint, k: int, threads: int = 1) -> dict:
 
 # ------------------------------------------------------------------------------------------------ round latency
 
-def round_latency(drafter, batch: int, rows: int, rounds: int, seed: int = 0) -> dict:
-    """Median ms (wall and thread CPU) of ``drafter.draft`` on ``rows`` verified rows per round, positions advancing
-    (and starting over before the cache's end), after 10 untimed rounds."""
+def round_latency(drafter, batch: int, rows: int, rounds: int, seed: int = 0) -> tuple[dict, float]:
+    """(``records.Stats`` of the wall ms, median thread-CPU ms) of ``drafter.draft`` on ``rows`` verified rows per
+    round, positions advancing (and starting over before the cache's end), after 10 untimed rounds."""
     config = drafter.model.config
     gen = torch.Generator().manual_seed(seed)
     calls = []
@@ -122,105 +139,12 @@ def round_latency(drafter, batch: int, rows: int, rounds: int, seed: int = 0) ->
             w0, c0 = time.perf_counter(), time.thread_time()
             drafter.draft(*call, validate=False)
             if i >= 10:
-                wall.append(time.perf_counter() - w0)
-                cpu.append(time.thread_time() - c0)
-    return {"wall_ms": 1e3 * statistics.median(wall), "cpu_ms": 1e3 * statistics.median(cpu), "rounds": rounds}
+                wall.append(1e3 * (time.perf_counter() - w0))
+                cpu.append(1e3 * (time.thread_time() - c0))
+    return Stats.of(wall).to_dict(), statistics.median(cpu)
 
 
-# ------------------------------------------------------------------------------------------------ end to end
-
-def _timed(fn) -> tuple[object, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
-def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, progress=lambda msg: None) -> dict:
-    """Every figure of the K sweep on ``checkpoint`` (a distilled raw-layout directory with >= max(ks) depths), on
-    CPU in fp32."""
-    from inkling_compiled import InklingMTP
-    from inkling_compiled.runtime import Drafter, speculative_generate
-    from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
-
-    from .e2e import count_hf_matches
-
-    cfg = cfg or KSweepConfig()
-    torch.set_num_threads(cfg.threads)
-    result: dict = {"checkpoint": str(checkpoint), "config": cfg.__dict__, "ks": {}}
-    for k in cfg.ks:
-        progress(f"ksweep: cold compile, K={k} (subprocess)")
-        result["ks"][k] = {"compile": cold_compile(checkpoint, k, cfg.threads)}
-    base = result["ks"][cfg.ks[0]]["compile"]["cpu_s"]
-    for k in cfg.ks:
-        result["ks"][k]["compile_ratio"] = result["ks"][k]["compile"]["cpu_s"] / base
-
-    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
-    mtp = InklingMTP.from_pretrained(checkpoint, target=target)
-    vocab = mtp.config.logits_vocab_size
-    gen = torch.Generator().manual_seed(cfg.seed + 1000)
-    prompts = [torch.randint(3, vocab, (1, cfg.prompt_len), generator=gen) for _ in range(cfg.prompts)]
-    batch_ids = torch.cat(prompts)
-    batch_mask = torch.ones_like(batch_ids)
-    for b in range(1, len(prompts)):  # left padding: the batch's sequences have different lengths
-        batch_ids[b, :b], batch_mask[b, :b] = 0, 0
-    gconfig = greedy_generation_config(target, cfg.new_tokens)
-    gconfig_mtp = greedy_generation_config(target, cfg.new_tokens)
-    gconfig_mtp.use_mtp = True
-    max_length = cfg.prompt_len + cfg.new_tokens + 8
-
-    def target_alone(p):
-        return target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig)
-
-    drafters = {k: Drafter(mtp, len(prompts), max_length, num_speculative_tokens=k, batch_buckets=(1, len(prompts)))
-                for k in cfg.ks}
-    with torch.no_grad():
-        reference = [target_alone(p) for p in prompts]  # also the warm-up of the target
-        for k, drafter in drafters.items():
-            progress(f"ksweep: K={k} warm-up (compiles the decode and prefill windows, batch 1 and 4)")
-            speculative_generate(target, drafter, prompts[0], max_new_tokens=cfg.new_tokens)
-            speculative_generate(target, drafter, batch_ids, batch_mask, max_new_tokens=cfg.new_tokens)
-            entry = result["ks"][k]
-            entry["round_ms"] = {
-                "batch1_k_rows": round_latency(drafter, 1, 1, cfg.latency_rounds, cfg.seed),
-                "batch1_k_plus_1_rows": round_latency(drafter, 1, k + 1, cfg.latency_rounds, cfg.seed),
-                "batch4_k_rows": round_latency(drafter, len(prompts), 1, cfg.latency_rounds, cfg.seed),
-            }
-        progress("ksweep: end to end, methods interleaved prompt by prompt")
-        seconds = {name: 0.0 for name in ["target", "hf_mtp", *cfg.ks]}
-        stats = {k: [] for k in cfg.ks}
-        hf_rounds, same = [], {k: True for k in cfg.ks}
-        for i, p in enumerate(prompts):
-            _, t = _timed(lambda p=p: target_alone(p))
-            seconds["target"] += t
-            with count_hf_matches() as rounds:
-                _, t = _timed(lambda p=p: target.generate(p, attention_mask=torch.ones_like(p),
-                                                          generation_config=gconfig_mtp))
-            seconds["hf_mtp"] += t
-            hf_rounds += rounds
-            for k in cfg.ks:
-                out, t = _timed(lambda k=k, p=p: speculative_generate(target, drafters[k], p,
-                                                                      max_new_tokens=cfg.new_tokens))
-                seconds[k] += t
-                stats[k].append(out)
-                same[k] &= torch.equal(out.sequences, reference[i])
-        tokens = cfg.prompts * cfg.new_tokens
-        result["target_tokens_per_s"] = tokens / seconds["target"]
-        hf_drafted = sum(r[0] for r in hf_rounds)
-        result["hf_mtp"] = {"tokens_per_s": tokens / seconds["hf_mtp"],
-                            "acceptance": sum(r[1] for r in hf_rounds) / hf_drafted if hf_drafted else None,
-                            "tokens_per_round": (tokens - cfg.prompts) / len(hf_rounds) if hf_rounds else None}
-        for k in cfg.ks:
-            batched = speculative_generate(target, drafters[k], batch_ids, batch_mask, max_new_tokens=cfg.new_tokens)
-            result["ks"][k]["e2e"] = {
-                "tokens_per_s": tokens / seconds[k],
-                "speedup_vs_target": seconds["target"] / seconds[k],
-                "speedup_vs_hf_mtp": seconds["hf_mtp"] / seconds[k],
-                "outputs_match_target": same[k],
-                **_acceptance(stats[k]),
-                "batch4": _acceptance([batched]),
-            }
-    return result
-
+# ------------------------------------------------------------------------------------------------ acceptance
 
 def _acceptance(outputs) -> dict:
     """Pooled acceptance figures of several :class:`SpeculativeOutput` (rounds weighted equally)."""
@@ -234,25 +158,234 @@ def _acceptance(outputs) -> dict:
             "rounds": rounds}
 
 
-def format_table(result: dict) -> str:
+def hf_acceptance(rounds: list[list[int]], depths: int) -> tuple[list[float], float]:
+    """(acceptance per position, tokens per round) of transformers' MTP rounds ``[drafted, accepted]`` (from
+    :func:`bench.e2e.count_hf_matches`): position j counts the rounds whose first j + 1 drafts were accepted."""
+    drafting = [r for r in rounds if r[0] > 0]
+    if not drafting:
+        return [0.0] * depths, 1.0
+    per_position = [sum(1 for r in drafting if r[1] > j) / len(drafting) for j in range(depths)]
+    return per_position, 1 + sum(r[1] for r in drafting) / len(drafting)
+
+
+def lockstep_batch(prompts: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first :data:`LOCKSTEP_BATCH` prompts as one left-padded batch: row b loses its first b tokens to
+    padding, so the sequences have different lengths."""
+    ids = prompts[:LOCKSTEP_BATCH].clone()
+    mask = torch.ones_like(ids)
+    for b in range(1, ids.shape[0]):
+        ids[b, :b], mask[b, :b] = pad_token_id, 0
+    return ids, mask
+
+
+# ------------------------------------------------------------------------------------------------ the sweep
+
+def _timed(fn) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Tensor | None = None,
+               compile_checkpoint=None, progress=lambda msg: None) -> dict:
+    """``records.Depths`` on ``checkpoint`` (a distilled raw-layout directory), on CPU in fp32.
+
+    ``prompts`` [N, P] (N >= max(cfg.prompts, 4); e.g. held-out text) replace seeded random ids of
+    ``cfg.prompt_len``. K values beyond the checkpoint's depths are left out. The cold compiles run on
+    ``compile_checkpoint`` (default ``checkpoint``): weights do not matter there.
+    """
+    from inkling_compiled import InklingMTP
+    from inkling_compiled.runtime import Drafter, speculative_generate
+    from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
+
+    from .e2e import count_hf_matches, prompt_batch
+
+    cfg = cfg or KSweepConfig()
+    torch.set_num_threads(cfg.threads)
+    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
+    mtp = InklingMTP.from_pretrained(checkpoint, target=target)
+    ks = tuple(k for k in cfg.ks if k <= mtp.config.num_depths)
+    if not ks:
+        raise ValueError(f"none of K = {cfg.ks} fits the checkpoint's {mtp.config.num_depths} MTP depth(s)")
+    count = max(cfg.prompts, LOCKSTEP_BATCH)
+    prompts = prompt_batch(prompts, count, cfg.prompt_len, mtp.config.logits_vocab_size, cfg.seed)
+    singles = [prompts[i:i + 1] for i in range(cfg.prompts)]
+    pad = target.generation_config.pad_token_id or 0
+    batch_ids, batch_mask = lockstep_batch(prompts, pad)
+    gconfig = greedy_generation_config(target, cfg.new_tokens)
+    gconfig_mtp = greedy_generation_config(target, cfg.new_tokens)
+    gconfig_mtp.use_mtp = True
+    max_length = prompts.shape[1] + cfg.new_tokens + 8
+    hf_depths = target.config.get_text_config().num_mtp_layers
+
+    def target_alone(p, mask=None):
+        return target.generate(p, attention_mask=torch.ones_like(p) if mask is None else mask,
+                               generation_config=gconfig)
+
+    def hf_mtp(p):
+        with count_hf_matches() as rounds:
+            out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig_mtp)
+        return out, rounds
+
+    drafters = {k: Drafter(mtp, 1, max_length, num_speculative_tokens=k, compile=cfg.compiled) for k in ks}
+    batch4_compiled = cfg.compiled and cfg.batch4_compiled
+    batch_drafters = {k: Drafter(mtp, LOCKSTEP_BATCH, max_length, num_speculative_tokens=k,
+                                 compile=batch4_compiled) for k in ks}
+    compile_s = {}
+    with torch.no_grad():
+        progress("ksweep: warm-up of the target" + (" and transformers' MTP" if cfg.hf_mtp else ""))
+        reference = [target_alone(p) for p in singles]
+        batch_reference = target_alone(batch_ids, batch_mask)
+        if cfg.hf_mtp:
+            hf_mtp(singles[0])
+        for k, drafter in drafters.items():
+            progress(f"ksweep: K={k} warm-up (compiles the decode and prefill windows, batch 1"
+                     + (f" and {LOCKSTEP_BATCH})" if batch4_compiled else ")"))
+            t0 = time.perf_counter()
+            speculative_generate(target, drafter, singles[0], max_new_tokens=cfg.new_tokens)
+            compile_s[k] = time.perf_counter() - t0
+            speculative_generate(target, batch_drafters[k], batch_ids, batch_mask, max_new_tokens=cfg.new_tokens)
+        progress(f"ksweep: end to end, {len(singles)} prompt(s) x {cfg.new_tokens} tokens, methods interleaved")
+        seconds = {name: 0.0 for name in ["target", "hf_mtp", *ks]}
+        outputs = {k: [] for k in ks}
+        hf_rounds, same, hf_same = [], dict.fromkeys(ks, True), True
+        for i, p in enumerate(singles):
+            _, seconds_target = _timed(lambda p=p: target_alone(p))
+            seconds["target"] += seconds_target
+            if cfg.hf_mtp:
+                (out, rounds), t = _timed(lambda p=p: hf_mtp(p))
+                seconds["hf_mtp"] += t
+                hf_rounds += rounds
+                hf_same &= torch.equal(out, reference[i])
+            for k in ks:
+                out, t = _timed(lambda k=k, p=p: speculative_generate(target, drafters[k], p,
+                                                                      max_new_tokens=cfg.new_tokens))
+                seconds[k] += t
+                outputs[k].append(out)
+                same[k] &= torch.equal(out.sequences, reference[i])
+        progress(f"ksweep: one left-padded batch of {LOCKSTEP_BATCH}, every K "
+                 f"({'compiled' if batch4_compiled else 'eager'} drafters)")
+        _, batch_target_s = _timed(lambda: target_alone(batch_ids, batch_mask))
+        batched = {}
+        for k in ks:
+            batched[k] = _timed(lambda k=k: speculative_generate(target, batch_drafters[k], batch_ids, batch_mask,
+                                                                 max_new_tokens=cfg.new_tokens))
+        progress(f"ksweep: draft-round latency ({cfg.latency_rounds} rounds per window)")
+        rounds_ms = {}
+        for k in ks:
+            rounds_ms[k] = {"1": round_latency(drafters[k], 1, 1, cfg.latency_rounds, cfg.seed),
+                            "all": round_latency(drafters[k], 1, k + 1, cfg.latency_rounds, cfg.seed)}
+            if batch4_compiled:
+                rounds_ms[k][str(LOCKSTEP_BATCH)] = round_latency(batch_drafters[k], LOCKSTEP_BATCH, 1,
+                                                                  cfg.latency_rounds, cfg.seed)
+
+    tokens = len(singles) * cfg.new_tokens
+    batch_tokens = LOCKSTEP_BATCH * cfg.new_tokens
+    result = {"checkpoint": str(checkpoint), "device": "cpu", "prompts": len(singles),
+              "prompt_len": prompts.shape[1], "new_tokens": cfg.new_tokens,
+              "target_tokens_per_s": tokens / seconds["target"],
+              "batch4_target_tokens_per_s": batch_tokens / batch_target_s, "ours": {}, "hf_mtp": None,
+              "compile_checkpoint": None}
+    hf_speedup = {}
+    if cfg.hf_mtp:
+        per_position, per_round = hf_acceptance(hf_rounds, hf_depths)
+        result["hf_mtp"] = {
+            "k": hf_depths, "tokens_per_s": tokens / seconds["hf_mtp"],
+            "speedup_vs_target": seconds["target"] / seconds["hf_mtp"], "mean_accepted_length": per_round,
+            "acceptance_per_position": per_position, "outputs_match_target": hf_same, "draft_round_ms": {},
+            "compile_s": None}
+        hf_speedup = {k: seconds["hf_mtp"] / seconds[k] for k in ks}
+    for k in ks:
+        pooled, (out, t) = _acceptance(outputs[k]), batched[k]
+        lockstep = _acceptance([out])
+        result["ours"][str(k)] = {
+            "k": k, "tokens_per_s": tokens / seconds[k], "speedup_vs_target": seconds["target"] / seconds[k],
+            "speedup_vs_hf_mtp": hf_speedup.get(k), "mean_accepted_length": pooled["mean_accepted_length"],
+            "acceptance_per_position": pooled["acceptance_per_position"], "outputs_match_target": same[k],
+            "draft_round_ms": {b: r[0] for b, r in rounds_ms[k].items() if b != "all"},
+            "draft_round_cpu_ms": {b: r[1] for b, r in rounds_ms[k].items() if b != "all"},
+            "draft_round_all_accepted_ms": rounds_ms[k]["all"][0], "compile_s": compile_s[k], "cold_compile": None,
+            "batch4": {"compiled": batch4_compiled, "tokens_per_s": batch_tokens / t,
+                       "speedup_vs_target": batch_target_s / t,
+                       "mean_accepted_length": lockstep["mean_accepted_length"],
+                       "acceptance_per_position": lockstep["acceptance_per_position"],
+                       "per_sequence_accepted_length": lockstep["per_sequence_accepted_length"],
+                       "outputs_match_target": torch.equal(out.sequences, batch_reference)}}
+    if cfg.cold_compile:
+        add_cold_compiles(result, compile_checkpoint or checkpoint, cfg.threads, progress)
+    return result
+
+
+def add_cold_compiles(result: dict, checkpoint, threads: int, progress=lambda msg: None) -> None:
+    """Fill ``cold_compile`` of every K of ``result["ours"]`` (each K in its own subprocess, one at a time; a K that
+    fails records its error)."""
+    result["compile_checkpoint"] = str(checkpoint)
+    first = None
+    for key, point in result["ours"].items():
+        progress(f"ksweep: cold compile, K={key} (subprocess, empty Inductor cache)")
+        try:
+            probe = cold_compile(checkpoint, point["k"], threads)
+        except Exception as e:  # noqa: BLE001 - keep the other Ks
+            point["cold_compile"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            continue
+        first = first or probe["cpu_s"]
+        point["cold_compile"] = {**probe, "ratio_to_first": probe["cpu_s"] / first}
+
+
+def format_lines(depths: dict) -> list[str]:
     """The sweep as plain-text rows (one per K) next to the baselines."""
-    lines = [f"K sweep on {result['checkpoint']} (CPU fp32, {result['config']['threads']} thread(s))",
-             f"target alone (generate greedy): {result['target_tokens_per_s']:.1f} tok/s; transformers "
-             f"generate(use_mtp=True): {result['hf_mtp']['tokens_per_s']:.1f} tok/s, "
-             f"{result['hf_mtp']['tokens_per_round']:.2f} tok/round",
-             "  K  cold compile cpu s (wall s, x K=1)  round ms b1 (cpu)  b1 K+1 rows  b4 (cpu)  tok/s  vs target"
-             "  vs hf  accepted len (b4 lockstep / per seq)  acceptance per position  same tokens"]
-    for k, e in result["ks"].items():
-        c, r, x = e["compile"], e["round_ms"], e["e2e"]
-        lines.append(
-            f"{k:>3}  {c['cpu_s']:6.1f} ({c['wall_s']:6.1f}, {e['compile_ratio']:.2f}x)          "
-            f"{r['batch1_k_rows']['wall_ms']:6.2f} ({r['batch1_k_rows']['cpu_ms']:.2f})  "
-            f"{r['batch1_k_plus_1_rows']['wall_ms']:6.2f}  {r['batch4_k_rows']['wall_ms']:6.2f} "
-            f"({r['batch4_k_rows']['cpu_ms']:.2f})  {x['tokens_per_s']:6.1f}  {x['speedup_vs_target']:.2f}x  "
-            f"{x['speedup_vs_hf_mtp']:.2f}x  {x['mean_accepted_length']:.2f} "
-            f"({x['batch4']['mean_accepted_length']:.2f} / {x['batch4']['per_sequence_accepted_length']:.2f})  "
-            f"{' '.join(f'{a:.2f}' for a in x['acceptance_per_position'])}  {x['outputs_match_target']}")
-    return "\n".join(lines)
+    hf = depths.get("hf_mtp")
+    lines = [f"K sweep ({depths.get('target', depths['checkpoint'])}; greedy, {depths['prompts']} prompt(s) x "
+             f"{depths['new_tokens']} new tokens, batch 1, and one left-padded batch of {LOCKSTEP_BATCH})",
+             f"  target alone (target.generate): {depths['target_tokens_per_s']:.1f} tok/s batch 1, "
+             f"{depths.get('batch4_target_tokens_per_s') or 0:.1f} tok/s batch {LOCKSTEP_BATCH}"
+             + (f"; transformers generate(use_mtp=True, {hf['k']} depths): {hf['tokens_per_s']:.1f} tok/s, "
+                f"{hf['mean_accepted_length']:.2f} tok/round, per position "
+                f"{' '.join(f'{a:.2f}' for a in hf['acceptance_per_position'])}" if hf else "")]
+    compiled = next((p["batch4"]["compiled"] for p in depths["ours"].values() if p.get("batch4")), None)
+    rows = [["K", "tok/s", "vs target", "vs hf", "accepted len", "acceptance per position", "same",
+             f"b{LOCKSTEP_BATCH} tok/s" + {True: " (compiled)", False: " (eager)"}.get(compiled, ""), "vs target",
+             "len (lockstep / per seq)", "same"]]
+    for point in depths["ours"].values():
+        b4 = point.get("batch4") or {}
+        vs_hf = point.get("speedup_vs_hf_mtp")
+        rows.append([str(point["k"]), f"{point['tokens_per_s']:.1f}", f"{point['speedup_vs_target']:.2f}x",
+                     "-" if vs_hf is None else f"{vs_hf:.2f}x", f"{point['mean_accepted_length']:.2f}",
+                     " ".join(f"{a:.2f}" for a in point["acceptance_per_position"]),
+                     "yes" if point["outputs_match_target"] else "NO",
+                     f"{b4['tokens_per_s']:.1f}" if b4 else "-", f"{b4['speedup_vs_target']:.2f}x" if b4 else "-",
+                     f"{b4['mean_accepted_length']:.2f} / {b4['per_sequence_accepted_length']:.2f}" if b4 else "-",
+                     ("yes" if b4["outputs_match_target"] else "NO") if b4 else "-"])
+    lines += _aligned(rows)
+    rows = [["K", "draft round ms b1 (cpu)", f"b{LOCKSTEP_BATCH} (cpu)", "b1 all accepted", "first calls s",
+             "cold compile cpu s (wall)", "x first K", "graphs", "recompiles / 64 rounds"]]
+    for point in depths["ours"].values():
+        r, cpu = point["draft_round_ms"], point.get("draft_round_cpu_ms") or {}
+        allacc, cold = point.get("draft_round_all_accepted_ms"), point.get("cold_compile") or {}
+        ms = [f"{r[b]['median_ms']:.2f} ({cpu[b]:.2f})" if b in r and b in cpu else "-"
+              for b in ("1", str(LOCKSTEP_BATCH))]
+        if "error" in cold:
+            compiled = ["FAILED", "-", "-", "-"]
+        elif cold:
+            compiled = [f"{cold['cpu_s']:.1f} ({cold['wall_s']:.1f})", f"{cold['ratio_to_first']:.2f}x",
+                        str(cold["graphs"]), str(cold["recompiles_over_64_rounds"])]
+        else:
+            compiled = ["-"] * 4
+        rows.append([str(point["k"]), *ms,
+                     f"{allacc['median_ms']:.2f}" if allacc else "-",
+                     "-" if point.get("compile_s") is None else f"{point['compile_s']:.1f}", *compiled])
+    lines += _aligned(rows)
+    if depths.get("compile_checkpoint"):
+        lines.append(f"  cold compile: K and K + 1-row windows, batch 1, each K in a fresh process on "
+                     f"{depths['compile_checkpoint']}; accepted len: tokens per target forward (docs/protocol.md "
+                     f"§6.8)")
+    return lines
+
+
+def _aligned(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in rows]
 
 
 def main(argv=None) -> int:
@@ -274,7 +407,7 @@ def main(argv=None) -> int:
         checkpoint = distill(cached_checkpoint("tiny8"))
     cfg = KSweepConfig(ks=tuple(int(k) for k in args.ks.split(",")), threads=args.threads)
     result = run_ksweep(checkpoint, cfg, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_table(result))
+    print("\n".join(format_lines(result)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)

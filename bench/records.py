@@ -37,6 +37,9 @@ class Settings(TypedDict):
     quick: bool
     skip: list[str]
     opt_in: NotRequired[list[str]]  # the sections asked for with --with
+    e2e_target: NotRequired[str]  # "text", "synthetic" or the --e2e-checkpoint directory
+    ks: NotRequired[list[int]]  # the K sweep's K values
+    full_sweep: NotRequired[bool]  # the sweep's batch of 4 compiled too
 
 
 class Depth0(TypedDict):
@@ -246,7 +249,33 @@ class E2E(TypedDict):
     new_tokens: int
     methods: dict[str, Method]
     hf_mtp_depths: int
-    distill: dict[str, Any] | None  # distill.json without the loss history
+    distill: dict[str, Any] | None  # distill.json without the loss history (+ "text_target": its build figures)
+    target: NotRequired[str]  # what the target and its prompts are (the text target, held-out prompts; ...)
+
+
+class ColdCompile(TypedDict):
+    """One K's drafter compiled (greedy decode windows, batch 1) in a fresh subprocess with an empty Inductor
+    cache (``bench.ksweep.compile_probe``)."""
+
+    wall_s: float
+    cpu_s: float  # the process and its C++ compiler children
+    ratio_to_first: float  # cpu_s over the sweep's first K's (K = 1)
+    graphs: int
+    matches: dict[str, int]  # our passes' matches
+    recompiles_over_64_rounds: int  # at advancing positions, every accepted count
+
+
+class Lockstep(TypedDict):
+    """One left-padded batch of 4 prompts generated together (rows advance by the batch's smallest accepted
+    length)."""
+
+    compiled: bool  # the drafter compiled (else eager: same tokens, its own speed)
+    tokens_per_s: float
+    speedup_vs_target: float  # over target.generate on the same batch
+    mean_accepted_length: float  # tokens per sequence per target forward, lockstep
+    acceptance_per_position: list[float]  # each row's own accepted prefix, before the lockstep cut
+    per_sequence_accepted_length: float  # 1 + sum(acceptance_per_position): what a row would get on its own
+    outputs_match_target: bool
 
 
 class DepthPoint(TypedDict):
@@ -261,11 +290,16 @@ class DepthPoint(TypedDict):
     outputs_match_target: bool
     draft_round_ms: dict[str, Stats]  # one compiled draft round (all K depths), by batch size; {} where not timed
     compile_s: float | None  # first call (compile + run) of the K-depth drafter; None where not compiled
+    speedup_vs_hf_mtp: NotRequired[float | None]  # tokens/s over transformers' generate(use_mtp=True)'s, same run
+    draft_round_cpu_ms: NotRequired[dict[str, float]]  # median thread-CPU ms of those rounds, by batch size
+    draft_round_all_accepted_ms: NotRequired[Stats | None]  # batch 1, the K + 1-row window (every draft accepted)
+    cold_compile: NotRequired[ColdCompile | Failed | None]
+    batch4: NotRequired[Lockstep | None]
 
 
 class Depths(TypedDict):
-    """The K sweep (issue 11) on a self-distilled target: ours for each K, transformers' generate(use_mtp=True)
-    (which chains every depth it loads) once."""
+    """The K sweep (issue 11; ``bench.ksweep``) on a self-distilled target: ours for each K, transformers'
+    generate(use_mtp=True) (which chains every depth it loads) once."""
 
     checkpoint: str
     device: str
@@ -274,6 +308,10 @@ class Depths(TypedDict):
     target_tokens_per_s: float
     ours: dict[str, DepthPoint]  # by K
     hf_mtp: DepthPoint | None
+    prompt_len: NotRequired[int]
+    batch4_target_tokens_per_s: NotRequired[float]  # target.generate on the left-padded batch of 4
+    compile_checkpoint: NotRequired[str | None]  # where the cold compiles ran; None: not run
+    target: NotRequired[str]  # as E2E.target
 
 
 class Goal(TypedDict):

@@ -14,8 +14,15 @@ batch 1, context 64):
   loop nests, extern calls, our passes' match counts);
 * quant (not on tiny unless ``--with quant``): the compiled step in fp32, bf16 and int8 weight-only (depths, depths
   + head; ``bench.quant``) against the fp32 step's GEMM floor, at the first batch size;
-* end to end on a self-distilled tiny target: tokens/s and acceptance of our speculative generation vs the target
-  alone vs transformers' ``generate(use_mtp=True)``.
+* end to end on the text target (a tiny Inkling trained on Python standard-library source, its 8 MTP depths
+  self-distilled; ``inkling_compiled.training.text_target``, built once and cached) with held-out source lines as
+  prompts: tokens/s and acceptance of our speculative generation (K = 1) vs the target alone vs transformers'
+  ``generate(use_mtp=True)``; ``--e2e-target synthetic`` runs it on the self-distilled random ``tiny8`` target;
+* depths (the K sweep, ``bench.ksweep``) on the same target and prompts: for K = 1, 2, 4, 8 tokens/s, speed-up vs
+  the target alone and vs ``generate(use_mtp=True)``, mean accepted length and acceptance per position, batch 1
+  and a left-padded batch of 4 (the lockstep cost; an eager drafter unless ``--full-sweep``), draft-round latency
+  (batch 1; and 4 with ``--full-sweep``) and, each K in a fresh subprocess, the cold compile of its drafter (CPU
+  seconds, ratio to K = 1, recompiles over 64 rounds).
 
 It prints a table (progress on stderr) and writes the JSON (``bench.records.Result``) to ``--json``, by default a
 new file under the git-ignored ``bench/out/``, after every section (``partial: true`` until the end), so a run cut
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -61,7 +69,9 @@ SECTIONS = {
     "peer": "transformers' MtpModel (step and e2e)",
     "floor": "the GEMM-only floor",
     "quant": "fp32 / bf16 / int8 weight-only draft step against the fp32 GEMM floor (by default not on tiny)",
-    "e2e": "end-to-end speculative generation",
+    "e2e": "end-to-end speculative generation, K = 1",
+    "depths": "the K sweep: end to end per K (batch 1 and 4) and draft-round latency",
+    "kcompile": "the K sweep's cold compile per K (a subprocess each)",
 }
 # Sections a preset runs only when asked with --with: on tiny the quant section's compiles (one per scheme) would
 # multiply the default run's time, for a step too small to be memory-bound
@@ -97,6 +107,10 @@ class Settings:
     probe_timeout: float
     e2e_prompts: int
     e2e_tokens: int
+    e2e_target: str
+    ks: tuple[int, ...]
+    k_rounds: int
+    full_sweep: bool
     distill_steps: int | None
     e2e_checkpoint: Path | None
     json_path: Path
@@ -112,7 +126,9 @@ class Settings:
         """``records.Settings``"""
         return {"configs": list(self.configs), "device": self.device, "dtype": self.dtype,
                 "batch_sizes": list(self.batch_sizes), "context": self.context, "max_length": self.max_length,
-                "threads": self.threads, "quick": self.quick, "skip": sorted(self.skip), "opt_in": sorted(self.with_)}
+                "threads": self.threads, "quick": self.quick, "skip": sorted(self.skip), "opt_in": sorted(self.with_),
+                "e2e_target": str(self.e2e_checkpoint or self.e2e_target), "ks": list(self.ks),
+                "full_sweep": self.full_sweep}
 
 
 # ------------------------------------------------------------------------------------------------------ machine
@@ -327,20 +343,74 @@ def quant_section(preset: str, s: Settings) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ e2e
 
-def e2e_section(s: Settings) -> dict:
-    """``records.E2E``"""
-    from inkling_compiled.training.distill import load_metrics
+TEXT_PROMPT_LEN = 32  # bytes of held-out source per prompt
 
-    from .e2e import E2EConfig, distilled_checkpoint, run_e2e
 
-    distilled = s.e2e_checkpoint or distilled_checkpoint(s.distill_steps, progress)
-    cfg = E2EConfig(prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, compiled=s.runs("compiled"),
-                    hf_mtp=s.runs("peer"))
+@dataclass(frozen=True)
+class E2ETarget:
+    """The distilled checkpoint both end-to-end sections run on, with its prompts (None: random ids)."""
+
+    checkpoint: Path
+    label: str
+    prompts: torch.Tensor | None
+    metrics: dict | None  # distill.json without the loss history (and, for the text target, its build figures)
+
+
+@functools.cache
+def e2e_target(s: Settings) -> E2ETarget:
+    """The text target (built on first use, ~3 minutes, then cached), a checkpoint given with --e2e-checkpoint (a
+    text target's own gets held-out prompts too), or the self-distilled synthetic tiny8."""
+    from inkling_compiled.training import text_target
+
+    from .e2e import distilled_checkpoint
+
+    count = max(s.e2e_prompts, 4)  # the K sweep's left-padded batch takes 4
+    if s.e2e_checkpoint is not None:
+        path = s.e2e_checkpoint
+    elif s.e2e_target == "text":
+        progress("e2e: the text target (trained on stdlib source, MTP self-distilled; ~3 min once, then cached)")
+        path = text_target.build(text_target.RECIPE)
+    else:
+        path = distilled_checkpoint(s.distill_steps, progress, preset="tiny8")
+    if text_target.is_built(path):
+        metrics = text_target.load_metrics(path)
+        built = {k: metrics[k] for k in ("heldout_bits_per_byte", "heldout_text_agreement", "train_seconds",
+                                         "build_seconds", "parameters", "corpus")}
+        label = (f"text target: stdlib source, {metrics['parameters'] / 1e3:.0f} k parameters, "
+                 f"{metrics['heldout_bits_per_byte']:.2f} held-out bits/byte; held-out prompts")
+        return E2ETarget(path, label, text_target.heldout_prompts(count, TEXT_PROMPT_LEN),
+                         {**metrics["distill"], "text_target": built})
     try:
-        metrics = {k: v for k, v in load_metrics(distilled).items() if k != "loss_history"}
+        from inkling_compiled.training.distill import load_metrics
+
+        metrics = {k: v for k, v in load_metrics(path).items() if k != "loss_history"}
     except FileNotFoundError:  # a checkpoint that was not distilled here
         metrics = None
-    return run_e2e(distilled, device=s.device, cfg=cfg, progress=progress, distill_metrics=metrics)
+    return E2ETarget(path, f"distilled synthetic target {path.name}, random prompts", None, metrics)
+
+
+def e2e_section(s: Settings) -> dict:
+    """``records.E2E``"""
+    from .e2e import E2EConfig, run_e2e
+
+    target = e2e_target(s)
+    cfg = E2EConfig(prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, compiled=s.runs("compiled"),
+                    hf_mtp=s.runs("peer"))
+    return run_e2e(target.checkpoint, device=s.device, cfg=cfg, progress=progress, distill_metrics=target.metrics,
+                   prompts=target.prompts, target_label=target.label)
+
+
+def depths_section(s: Settings) -> dict:
+    """``records.Depths``: the K sweep on the end-to-end target (CPU)."""
+    from .ksweep import KSweepConfig, run_ksweep
+
+    target = e2e_target(s)
+    cfg = KSweepConfig(ks=s.ks, prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, latency_rounds=s.k_rounds,
+                       threads=s.threads, cold_compile=s.runs("kcompile"), hf_mtp=s.runs("peer"),
+                       batch4_compiled=s.full_sweep)
+    result = run_ksweep(target.checkpoint, cfg, prompts=target.prompts, progress=progress)
+    result["target"] = target.label
+    return result
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
@@ -374,10 +444,20 @@ def parse_args(argv=None) -> Settings:
     p.add_argument("--probe-timeout", type=float, default=600.0)
     p.add_argument("--e2e-prompts", type=int, default=None)
     p.add_argument("--e2e-tokens", type=int, default=None)
-    p.add_argument("--distill-steps", type=int, default=None, help="self-distillation Adam steps (default: distill's)")
+    p.add_argument("--e2e-target", choices=("text", "synthetic"), default="text",
+                   help="end-to-end target (e2e and depths): the text target trained on stdlib source, held-out "
+                        "prompts (default), or the self-distilled random tiny8, random prompts")
+    p.add_argument("--ks", default="1,2,4,8", help="K values of the K sweep (default 1,2,4,8; those beyond the "
+                   "target's depths are left out)")
+    p.add_argument("--k-rounds", type=int, default=None, help="timed draft rounds per K and window (default 200)")
+    p.add_argument("--full-sweep", action="store_true",
+                   help="the K sweep's batch of 4 with compiled drafters too, and its draft-round latency (about as "
+                        "many compiles again as batch 1's; default: an eager drafter for the batch of 4)")
+    p.add_argument("--distill-steps", type=int, default=None,
+                   help="self-distillation Adam steps of the synthetic e2e target (default: distill's)")
     p.add_argument("--e2e-checkpoint", default=None, metavar="DIR",
-                   help="run e2e on this raw-layout checkpoint (e.g. a distilled one carried to another machine) "
-                        "instead of distilling the tiny target here")
+                   help="run e2e and the K sweep on this distilled raw-layout checkpoint (e.g. one carried to "
+                        "another machine; a text target's gets held-out prompts) instead of building one here")
     p.add_argument("--json", dest="json_path", default=None,
                    help="where the JSON goes (default: a new file under bench/out/, which git ignores)")
     p.add_argument("--record", nargs="?", const=str(RESULTS_MD), default=None, metavar="FILE",
@@ -399,13 +479,19 @@ def parse_args(argv=None) -> Settings:
         p.error(f"--batch-sizes must be comma-separated integers, got {a.batch_sizes!r}")
     if not batch_sizes or min(batch_sizes) < 1:
         p.error(f"--batch-sizes must name at least one batch size >= 1, got {a.batch_sizes!r}")
+    try:
+        ks = tuple(int(k) for k in a.ks.split(",") if k.strip())
+    except ValueError:
+        p.error(f"--ks must be comma-separated integers, got {a.ks!r}")
+    if not ks or min(ks) < 1:
+        p.error(f"--ks must name one or more K values, each >= 1, got {a.ks!r}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False")
     max_length = a.max_length or a.context + 64
     if max_length <= a.context + 1:
         p.error("--max-length must exceed --context + 1")
     defaults = dict(warmup=(2, 10), rounds=(2, 20), per_round=(3, 20), time_budget=(5.0, 20.0),
-                    recompile_steps=(3, 20), e2e_prompts=(1, 4), e2e_tokens=(16, 64))
+                    recompile_steps=(3, 20), e2e_prompts=(1, 4), e2e_tokens=(16, 64), k_rounds=(30, 200))
     counts = {k: getattr(a, k) if getattr(a, k) is not None else (quick if a.quick else full)
               for k, (quick, full) in defaults.items()}
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
@@ -414,7 +500,8 @@ def parse_args(argv=None) -> Settings:
         dtype=a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"), batch_sizes=batch_sizes,
         context=a.context, max_length=max_length, weights=a.weights,
         threads=a.threads or (1 if a.device == "cpu" else torch.get_num_threads()), skip=skip, with_=with_,
-        quick=a.quick, probe_timeout=a.probe_timeout, distill_steps=a.distill_steps,
+        quick=a.quick, probe_timeout=a.probe_timeout, distill_steps=a.distill_steps, e2e_target=a.e2e_target,
+        ks=ks, full_sweep=a.full_sweep,
         e2e_checkpoint=Path(a.e2e_checkpoint) if a.e2e_checkpoint else None,
         json_path=Path(a.json_path) if a.json_path else OUT_DIR / f"bench-{stamp}.json",
         record=Path(a.record) if a.record else None, **counts)
@@ -472,13 +559,17 @@ def _run(s: Settings, given: list[str]) -> dict:
             progress(f"{preset}: FAILED: {type(e).__name__}: {e}")
             out["error"] = f"{type(e).__name__}: {e}"[:2000]
         save(f"{preset}")
-    if s.runs("e2e"):
+    if s.runs("depths") and s.device != "cpu":
+        progress("depths: the K sweep runs on CPU only (bench.ksweep); left out on this device")
+    for name, section in (("e2e", e2e_section), ("depths", depths_section)):
+        if not s.runs(name) or name == "depths" and s.device != "cpu":
+            continue
         try:
-            result["e2e"] = e2e_section(s)
-        except Exception as e:  # noqa: BLE001
-            progress(f"e2e: FAILED: {type(e).__name__}: {e}")
-            result["e2e"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        save("e2e")
+            result[name] = section(s)
+        except Exception as e:  # noqa: BLE001 - record it and go on
+            progress(f"{name}: FAILED: {type(e).__name__}: {e}")
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        save(name)
     save(partial=False)
     table = report.format_table(result)
     print(table, flush=True)

@@ -4,6 +4,8 @@ Loads a transformers Inkling target and its MTP head from a raw-layout checkpoin
 synthetic checkpoint, written once and cached), builds the drafter, generates from random prompts with
 :func:`inkling_compiled.runtime.speculative.speculative_generate`, and prints the tokens and acceptance figures.
 Random MTP weights give (near) zero acceptance: the figures are only meaningful for trained or distilled heads.
+``--text-target`` uses the tiny target trained on Python standard-library source instead
+(:mod:`inkling_compiled.training.text_target`): prompts are held-out source lines and the output is printed as text.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="synthetic preset used when no --checkpoint is given (default tiny; tiny8 has 8 depths)")
     parser.add_argument("--distilled", action="store_true",
                         help="with the default checkpoint: self-distil its MTP first (cached; ~1 min the first time)")
+    parser.add_argument("--text-target", action="store_true",
+                        help="the tiny target trained on stdlib source (built and cached on first use, ~3 min): "
+                             "held-out prompts, decoded text out")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
                         help="drafts per round, i.e. MTP depths chained (default: every depth of the checkpoint)")
-    parser.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt (default 16)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (default 16)")
     parser.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
     parser.add_argument("--ragged", action="store_true",
                         help="give the sequences different prompt lengths (left padding)")
@@ -47,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.check and args.temperature > 0:
         parser.error("--check compares against greedy generate(); use it with --temperature 0")
+    if args.text_target and (args.checkpoint or args.distilled):
+        parser.error("--text-target is its own checkpoint; leave out --checkpoint / --distilled")
     return args
 
 
@@ -58,6 +65,10 @@ def build(args):
 
     if args.checkpoint:
         path = args.checkpoint
+    elif args.text_target:
+        from .training import text_target
+
+        path = text_target.build(text_target.RECIPE)
     else:
         path = cached_checkpoint(args.preset)
         if args.distilled:  # random MTP weights draft nothing the target accepts
@@ -72,15 +83,22 @@ def build(args):
     return path, target, drafter
 
 
-def random_prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids (or held-out text with ``--text-target``) [batch, prompt_len], left-padded with ``--ragged``."""
     gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(min(8, vocab - 1), vocab, (args.batch, args.prompt_len), generator=gen)
+    pad = 0
+    if args.text_target:
+        from .training import text_target
+
+        ids, pad = text_target.heldout_prompts(args.batch, args.prompt_len, seed=args.seed), text_target.PAD_ID
+    else:
+        ids = torch.randint(min(8, vocab - 1), vocab, (args.batch, args.prompt_len), generator=gen)
     mask = torch.ones_like(ids)
     if args.ragged and args.batch > 1:
         lengths = torch.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, (args.batch,), generator=gen)
         for b, n in enumerate(lengths.tolist()):
             mask[b, : args.prompt_len - n] = 0
-            ids[b, : args.prompt_len - n] = 0
+            ids[b, : args.prompt_len - n] = pad
     return ids.to(args.device), mask.to(args.device)
 
 
@@ -92,7 +110,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     path, target, drafter = build(args)
-    ids, mask = random_prompts(args, logits_vocab_size(target.config.get_text_config()))
+    ids, mask = make_prompts(args, logits_vocab_size(target.config.get_text_config()))
     eos = None if args.ignore_eos else target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
 
@@ -118,8 +136,15 @@ def main(argv=None) -> int:
     prompt_len = ids.shape[1]
     for b in range(ids.shape[0]):
         real = int(mask[b].sum())
-        print(f"[{b}] prompt ({real}): {ids[b, prompt_len - real:].tolist()}")
-        print(f"[{b}] new    ({out.num_new_tokens}): {out.sequences[b, prompt_len:].tolist()}")
+        prompt, new = ids[b, prompt_len - real:], out.sequences[b, prompt_len:]
+        if args.text_target:
+            from .training.text_target import decode
+
+            print(f"[{b}] prompt ({real} bytes):\n{decode(prompt)}\n[{b}] generated ({new.shape[0]} tokens):\n"
+                  f"{decode(new)}\n[{b}] end")
+        else:
+            print(f"[{b}] prompt ({real}): {prompt.tolist()}")
+            print(f"[{b}] new    ({out.num_new_tokens}): {new.tolist()}")
     print(f"drafted {out.num_drafted}, accepted {out.num_accepted}, acceptance rate {out.acceptance_rate:.3f}, "
           f"mean accepted length {out.mean_accepted_length:.3f} tokens / target forward "
           f"({out.num_rounds} verify rounds + prefill)")

@@ -351,26 +351,42 @@ def _split_shards(sizes: dict[str, int]) -> list[list[str]]:
 
 
 def write_checkpoint(path, config: dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                     sharded: bool = True) -> Path:
+                     sharded: bool = True, tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``config`` as a raw-layout Inkling checkpoint with seeded random weights; returns ``path``.
 
     Sharded: ``model-0000k-of-0000n.safetensors`` (n >= 2) + ``mtp.safetensors`` + an index over all keys (what
     transformers needs). Unsharded: ``model.safetensors`` + ``mtp.safetensors``, no index (our loader only).
+    ``tensors`` (raw name -> tensor, e.g. :func:`raw_text_tensors` of a trained model) are written instead of the
+    random values of those names; each must be a raw name of this config with its raw shape (checked before any
+    file is written).
     """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(config)
     config["dtype"] = _dtype_name(dtype)
     config["text_config"]["dtype"] = _dtype_name(dtype)
     text = config["text_config"]
     main_shapes, mtp_shapes = raw_tensor_shapes(config)
+    all_shapes = {**main_shapes, **mtp_shapes}
+    given = dict(tensors or {})
+    unknown = sorted(set(given) - set(all_shapes))
+    if unknown:
+        raise KeyError(f"tensors not in this config's raw layout: {unknown[:5]}")
+    wrong = {n: (tuple(t.shape), all_shapes[n]) for n, t in given.items() if tuple(t.shape) != all_shapes[n]}
+    if wrong:
+        raise ValueError(f"tensors with the wrong shape (given, raw): {dict(list(wrong.items())[:5])}")
+    path.mkdir(parents=True, exist_ok=True)
 
     def nbytes(name, shape):
         return math.prod(shape) * (4 if name.endswith(_FP32_SUFFIXES) else dtype.itemsize)
 
+    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in given:
+            return _random_tensor(name, shape, seed, text, dtype)
+        store = torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
+        return given[name].detach().to("cpu", store).contiguous()
+
     def write(file: str, names: list[str], shapes: dict) -> None:
-        tensors = {n: _random_tensor(n, shapes[n], seed, text, dtype) for n in names}
-        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        save_file({n: value(n, shapes[n]) for n in names}, str(path / file), metadata={"format": "pt"})
 
     weight_map: dict[str, str] = {}
     if sharded:
@@ -385,13 +401,31 @@ def write_checkpoint(path, config: dict, *, seed: int = 0, dtype: torch.dtype = 
         write(MTP_FILE, list(mtp_shapes), mtp_shapes)
         weight_map.update(dict.fromkeys(mtp_shapes, MTP_FILE))
     if sharded:
-        all_shapes = {**main_shapes, **mtp_shapes}
         total = sum(nbytes(n, s) for n, s in all_shapes.items())
         index = {"metadata": {"total_size": total, "total_parameters": sum(math.prod(s) for s in all_shapes.values())},
                  "weight_map": dict(sorted(weight_map.items()))}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def raw_text_tensors(causal_lm) -> dict[str, torch.Tensor]:
+    """Raw ``model.llm.*`` tensors of a transformers ``InklingForCausalLM`` (the inverse of transformers' loading
+    conversions: native names renamed, separate gate / up tensors interleaved back into one), detached, for
+    :func:`write_checkpoint`'s ``tensors``."""
+    out: dict[str, torch.Tensor] = {}
+    halves: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in causal_lm.state_dict().items():
+        native = name if name == "lm_head.weight" else "model.language_model." + name.removeprefix("model.")
+        raw, _ = _raw_main_entry(native, tuple(tensor.shape))
+        sub = native.split(".", 4)[-1]
+        if sub in _FUSED:
+            halves.setdefault(raw, (_FUSED[sub][1], {}))[1]["gate" if "gate_proj" in sub else "up"] = tensor.detach()
+        else:
+            out[raw] = tensor.detach()
+    for raw, (dim, parts) in halves.items():  # raw rows alternate gate, up (transformers de-interleaves them)
+        out[raw] = torch.stack([parts["gate"], parts["up"]], dim=dim + 1).flatten(dim, dim + 1)
+    return out
 
 
 def default_cache_root() -> Path:
@@ -504,6 +538,6 @@ def mtp_reference_tensors(path) -> dict[str, torch.Tensor]:
 __all__ = [
     "FORMAT_VERSION", "INKLING_SLIDING_DEPTHS", "PRESETS", "cached_checkpoint", "default_cache_root", "full_config",
     "greedy_generation_config", "hf_causal_lm_from", "init_stats", "load_hf_mtp", "load_hf_target",
-    "mtp_reference_tensors", "preset_config", "randomize_", "raw_tensor_shapes", "small_config", "tiny8_config",
-    "tiny_config", "write_checkpoint",
+    "mtp_reference_tensors", "preset_config", "randomize_", "raw_tensor_shapes", "raw_text_tensors", "small_config",
+    "tiny8_config", "tiny_config", "write_checkpoint",
 ]

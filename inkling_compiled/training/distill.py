@@ -1,4 +1,4 @@
-"""Self-distillation of the MTP depths on a synthetic target's own greedy continuations.
+"""Self-distillation of the MTP depths on a target's own greedy continuations (synthetic, or the text target).
 
 Random MTP weights draft nothing the target accepts, so an honest end-to-end speed-up needs a draft head that has
 learnt the target. This module trains the MTP depths of a raw-layout Inkling checkpoint (the target frozen, its
@@ -7,9 +7,10 @@ docs/protocol.md §6.1):
 
     depth k at row t reads (g^{k-1}_t, x_{t+k+1}) and is trained to predict x_{t+k+2},   g^{-1}_t = h_t
 
-where ``h`` is the target's post-final-norm ``last_hidden_state`` and the sequences are random prompts followed by
-the target's greedy continuation. Only rows whose label lies in the greedy part count (a random prompt token is not
-predictable). The loss is the sum over depths of the mean cross-entropy of ``compute_logits`` (muP included).
+where ``h`` is the target's post-final-norm ``last_hidden_state`` and the sequences are prompts (random ids, or
+given ones such as real text) followed by the target's greedy continuation. Only rows whose label lies in the greedy
+part count for hard labels and agreement (a random prompt token is not predictable). The loss is the sum over depths
+of the mean cross-entropy of ``compute_logits`` (muP included).
 
 The result is a new checkpoint directory that both transformers (target + ``MtpModel``) and ``InklingMTP`` load:
 ``config.json`` and the index are copied, the target shards are hard-linked (copied across file systems), and
@@ -74,16 +75,33 @@ def target_hidden(target, tokens: torch.Tensor) -> torch.Tensor:
         return target.model(input_ids=tokens, attention_mask=mask).last_hidden_state
 
 
+def random_prompts(target, *, num_sequences: int, prompt_len: int, seed: int) -> torch.Tensor:
+    """[num_sequences, prompt_len] seeded random ids of the target's logits vocabulary (ids 0-2 left out)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, logits_vocab_size(target.config), (num_sequences, prompt_len), generator=gen)
+
+
 def greedy_data(target, *, num_sequences: int, seq_len: int, prompt_len: int, seed: int, chunk: int = 64,
                 progress: bool = False) -> GreedyData:
     """Random prompts of ``prompt_len`` ids continued greedily by ``target`` to ``seq_len`` tokens (EOS suppressed
     by decoding for exactly ``seq_len - prompt_len`` steps with no EOS id), with the target's hiddens."""
+    prompts = random_prompts(target, num_sequences=num_sequences, prompt_len=prompt_len, seed=seed)
+    return greedy_continuations(target, prompts, seq_len=seq_len, chunk=chunk, progress=progress)
+
+
+def greedy_continuations(target, prompts: torch.Tensor, *, seq_len: int, chunk: int = 64,
+                         progress: bool = False) -> GreedyData:
+    """``prompts`` [N, P] continued greedily by ``target`` to ``seq_len`` tokens (EOS suppressed by decoding for
+    exactly ``seq_len - P`` steps with no EOS id), with the target's hiddens."""
+    if prompts.dim() != 2:
+        raise ValueError(f"prompts must be [N, P] token ids, got shape {tuple(prompts.shape)}")
+    num_sequences, prompt_len = prompts.shape
     if not 0 < prompt_len < seq_len:
         raise ValueError(f"need 0 < prompt_len < seq_len, got {prompt_len}, {seq_len}")
-    gen = torch.Generator().manual_seed(seed)
     vocab = logits_vocab_size(target.config)
-    device = target.lm_head.weight.device
-    prompts = torch.randint(3, vocab, (num_sequences, prompt_len), generator=gen).to(device)
+    if int(prompts.min()) < 0 or int(prompts.max()) >= vocab:
+        raise ValueError(f"prompt ids must lie in [0, {vocab}), got [{int(prompts.min())}, {int(prompts.max())}]")
+    prompts = prompts.to(target.lm_head.weight.device)
     config = greedy_generation_config(target, seq_len - prompt_len)
     tokens, hidden = [], []
     start = time.perf_counter()
@@ -198,6 +216,15 @@ def train(mtp, data: GreedyData, *, steps: int, batch: int, lr: float, seed: int
 
 # ------------------------------------------------------------------------------------------------------ checkpoint
 
+def prompts_digest(prompts: torch.Tensor, eval_prompts: torch.Tensor) -> str:
+    """Content hash of given prompts (part of the cache key in place of the random ones' seed)."""
+    h = hashlib.sha256()
+    for t in (prompts, eval_prompts):
+        h.update(f"{tuple(t.shape)}".encode())
+        h.update(t.to(torch.int64).cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def _key(checkpoint_dir: Path, params: dict) -> str:
     parts = {"source": str(checkpoint_dir.resolve()), "params": params, "format": FORMAT_VERSION}
     for name in (CONFIG_FILE, INDEX_FILE):
@@ -265,8 +292,13 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
             batch: int = DEFAULTS["batch"], seed: int = DEFAULTS["seed"], lr: float = DEFAULTS["lr"],
             prompt_len: int = DEFAULTS["prompt_len"], num_sequences: int = DEFAULTS["num_sequences"],
             eval_sequences: int = DEFAULTS["eval_sequences"], soft: bool = DEFAULTS["soft"], force: bool = False,
-            progress: bool = True) -> Path:
+            progress: bool = True, prompts: torch.Tensor | None = None,
+            eval_prompts: torch.Tensor | None = None) -> Path:
     """Self-distil the MTP depths of the raw-layout checkpoint ``checkpoint_dir``; return the distilled directory.
+
+    The sequences are greedy continuations of random prompts (``num_sequences`` + ``eval_sequences`` of
+    ``prompt_len`` ids), or of the given ``prompts`` [N, P] and ``eval_prompts`` [M, P] (real text, say), which
+    then decide those three numbers.
 
     ``out_dir`` defaults to a cache directory keyed by the checkpoint and every argument; an existing complete
     directory is returned as is unless ``force``. Seeded: the same arguments give the same weights (CPU, fp32).
@@ -277,8 +309,17 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
     from ..model.mtp import InklingMTP
 
     checkpoint_dir = Path(checkpoint_dir)
+    if (prompts is None) != (eval_prompts is None):
+        raise ValueError("give both prompts and eval_prompts, or neither")
+    if prompts is not None:
+        if prompts.dim() != 2 or eval_prompts.dim() != 2 or prompts.shape[1] != eval_prompts.shape[1]:
+            raise ValueError(f"prompts and eval_prompts must be [N, P] and [M, P], got {tuple(prompts.shape)} and "
+                             f"{tuple(eval_prompts.shape)}")
+        (num_sequences, prompt_len), eval_sequences = prompts.shape, eval_prompts.shape[0]
     params = dict(steps=steps, seq_len=seq_len, batch=batch, seed=seed, lr=lr, prompt_len=prompt_len,
                   num_sequences=num_sequences, eval_sequences=eval_sequences, soft=soft)
+    if prompts is not None:
+        params["prompts"] = prompts_digest(prompts, eval_prompts)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, **params)
     if (out_dir / METRICS_FILE).is_file() and not force:
         _log(f"cached: {out_dir}", progress)
@@ -290,8 +331,12 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
     torch.manual_seed(seed)
     _log(f"target {checkpoint_dir}", progress)
     target = load_hf_target(checkpoint_dir, dtype=torch.float32).requires_grad_(False)
-    data = greedy_data(target, num_sequences=num_sequences + eval_sequences, seq_len=seq_len,
-                       prompt_len=prompt_len, seed=seed, progress=progress)
+    if prompts is None:
+        prompts = random_prompts(target, num_sequences=num_sequences + eval_sequences, prompt_len=prompt_len,
+                                 seed=seed)
+    else:
+        prompts = torch.cat([prompts, eval_prompts])
+    data = greedy_continuations(target, prompts, seq_len=seq_len, progress=progress)
     train_data, eval_data = data.subset(slice(0, num_sequences)), data.subset(slice(num_sequences, None))
     t_data = time.perf_counter() - start
     del target

@@ -23,7 +23,7 @@ def quick(tmp_path_factory):
         on_disk_before_e2e.update(json.loads(json_path.read_text()))
         raise RuntimeError("no e2e in this test")
 
-    argv = ["--quick", "--config", "tiny", "--skip", "compile,stock", "--threads", "1",
+    argv = ["--quick", "--config", "tiny", "--skip", "compile,stock,depths", "--threads", "1",
             "--json", str(json_path), "--record", str(out / "RESULTS.md")]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(run, "e2e_section", e2e_section)
@@ -94,7 +94,9 @@ def test_results_stay_out_of_the_tracked_tree_unless_recorded():
                                            (["--no-compile"], "unrecognized arguments: --no-compile"),
                                            (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated"),
                                            (["--with", "latency"], "not opt-in: ['latency']; choose from quant"),
-                                           (["--with", "quant", "--skip", "quant"], "both skipped and asked for")])
+                                           (["--with", "quant", "--skip", "quant"], "both skipped and asked for"),
+                                           (["--ks", "1,two"], "--ks must be comma-separated integers, got '1,two'"),
+                                           (["--ks", "0,4"], "each >= 1, got '0,4'")])
 def test_bad_arguments_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit):
         run.parse_args(argv)

@@ -1,9 +1,16 @@
-"""The K sweep's pooling of acceptance figures (``bench.ksweep``): rounds of several generations weighted alike."""
+"""The K sweep (``bench.ksweep``, the benchmark's depths section): pooled acceptance figures, transformers' rounds
+per position, the lockstep batch, and a whole sweep on the reduced text target (eager drafters) whose record
+conforms to ``bench/records.py`` and whose tokens equal the target's."""
 
+import pytest
 import torch
 
-from bench.ksweep import _acceptance
+from bench.ksweep import KSweepConfig, _acceptance, format_lines, hf_acceptance, lockstep_batch, run_ksweep
+from bench.records import Depths, problems
 from inkling_compiled.runtime import SpeculativeOutput
+from inkling_compiled.training import text_target as T
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def output(per_round, emitted, rows=1, k=3):
@@ -21,3 +28,40 @@ def test_pooled_acceptance_per_position_and_lengths():
     assert pooled["acceptance_per_position"] == [4 / 5, 3 / 5, 1 / 5]
     assert pooled["mean_accepted_length"] == 9 / 4 and pooled["rounds"] == 4
     assert abs(pooled["per_sequence_accepted_length"] - (1 + 8 / 5)) < 1e-12
+
+
+def test_transformers_rounds_per_position():
+    rounds = [[3, 2], [3, 0], [0, 0], [2, 2]]  # [drafted, accepted]; a round that drafted nothing does not count
+    assert hf_acceptance(rounds, 3) == ([2 / 3, 2 / 3, 0.0], 1 + 4 / 3)
+    assert hf_acceptance([], 2) == ([0.0, 0.0], 1.0)
+
+
+def test_lockstep_batch_pads_each_row_more():
+    prompts = torch.arange(30).reshape(5, 6)
+    ids, mask = lockstep_batch(prompts, pad_token_id=99)
+    assert mask.tolist() == [[1] * 6, [0] + [1] * 5, [0, 0] + [1] * 4, [0, 0, 0] + [1] * 3]
+    assert torch.equal(ids[mask == 1], prompts[:4][mask == 1]) and (ids[mask == 0] == 99).all()
+
+
+def test_sweep_on_the_reduced_text_target(tmp_path):
+    built = T.build(T.REDUCED, root=tmp_path, progress=False)
+    prompts = T.heldout_prompts(4, 12)
+    cfg = KSweepConfig(ks=(1, 2, 16), prompts=2, new_tokens=8, latency_rounds=3, cold_compile=False,
+                       compiled=False)
+    result = run_ksweep(built, cfg, prompts=prompts)
+    assert problems(result, Depths) == []
+    assert list(result["ours"]) == ["1", "2"]  # K = 16 is beyond the 8 depths
+    assert (result["prompts"], result["prompt_len"], result["hf_mtp"]["k"]) == (2, 12, 8)
+    for point in [*result["ours"].values(), result["hf_mtp"]]:
+        assert point["outputs_match_target"] is True  # greedy speculative decoding is lossless
+        assert 1 <= point["mean_accepted_length"] <= 1 + point["k"]
+        assert len(point["acceptance_per_position"]) == point["k"]
+    for point in result["ours"].values():
+        assert point["batch4"]["outputs_match_target"] is True and point["batch4"]["compiled"] is False
+        assert point["batch4"]["mean_accepted_length"] <= point["batch4"]["per_sequence_accepted_length"]
+        assert list(point["draft_round_ms"]) == ["1"] and point["draft_round_ms"]["1"]["n"] == 3
+        assert point["speedup_vs_hf_mtp"] > 0 and point["cold_compile"] is None
+    lines = format_lines(result)
+    assert len(lines) == 2 + 3 + 3  # header, baselines; 2 rows under each of the two headings
+    with pytest.raises(ValueError, match=r"none of K = \(16,\) fits the checkpoint's 8 MTP depth"):
+        run_ksweep(built, KSweepConfig(ks=(16,)), prompts=prompts)
