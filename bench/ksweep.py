@@ -15,7 +15,8 @@ checkpoint's depths allow, from one run,
   K-row window after a rejection, positions advancing), batch 1 (and 4 with ``batch4_compiled``), wall ms, with the
   median thread-CPU ms beside it (one intra-op thread: the work itself, without the time another process held the
   core), and batch 1's K + 1-row window (all drafts accepted);
-* ``cold_compile``: the compile of the K-depth drafter's greedy decode windows (K and K + 1 rows, batch 1) in a
+* ``cold_compile`` (the smallest and largest K, every K with ``cold_compile_every_k``): the compile of the
+  K-depth drafter's greedy decode windows (K and K + 1 rows, batch 1) in a
   fresh subprocess with an empty Inductor cache: wall and CPU seconds (the process and its C++ compiler children,
   the steadier figure on a shared machine), CPU seconds over the first K's, graphs compiled, our passes' matches and
   recompiles over 64 rounds at advancing positions with every accepted count.
@@ -61,6 +62,7 @@ class KSweepConfig:
     seed: int = 0
     threads: int = 1
     cold_compile: bool = True
+    cold_compile_every_k: bool = False  # False: the smallest and largest K only (each probe is a cold compile)
     hf_mtp: bool = True
     batch4_compiled: bool = False  # the batch of 4 with compiled drafters too (their own graphs: minutes of compile)
     compiled: bool = True  # False: eager drafters everywhere (the same tokens; for tests)
@@ -312,16 +314,19 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
                        "per_sequence_accepted_length": lockstep["per_sequence_accepted_length"],
                        "outputs_match_target": torch.equal(out.sequences, batch_reference)}}
     if cfg.cold_compile:
-        add_cold_compiles(result, compile_checkpoint or checkpoint, cfg.threads, progress)
+        probed = cfg.ks if cfg.cold_compile_every_k else sorted({min(cfg.ks), max(cfg.ks)})
+        add_cold_compiles(result, compile_checkpoint or checkpoint, probed, cfg.threads, progress)
     return result
 
 
-def add_cold_compiles(result: dict, checkpoint, threads: int, progress=lambda msg: None) -> None:
-    """Fill ``cold_compile`` of every K of ``result["ours"]`` (each K in its own subprocess, one at a time; a K that
-    fails records its error)."""
+def add_cold_compiles(result: dict, checkpoint, ks, threads: int, progress=lambda msg: None) -> None:
+    """Fill ``cold_compile`` of the points of ``result["ours"]`` whose K is in ``ks`` (each K in its own subprocess,
+    one at a time; a K that fails records its error)."""
     result["compile_checkpoint"] = str(checkpoint)
     first = None
     for key, point in result["ours"].items():
+        if point["k"] not in ks:
+            continue
         progress(f"ksweep: cold compile, K={key} (subprocess, empty Inductor cache)")
         try:
             probe = cold_compile(checkpoint, point["k"], threads)

@@ -21,7 +21,8 @@ batch 1, context 64):
 * depths (the K sweep, ``bench.ksweep``) on the same target and prompts: for K = 1, 2, 4, 8 tokens/s, speed-up vs
   the target alone and vs ``generate(use_mtp=True)``, mean accepted length and acceptance per position, batch 1
   and a left-padded batch of 4 (the lockstep cost; an eager drafter unless ``--full-sweep``), draft-round latency
-  (batch 1; and 4 with ``--full-sweep``) and, each K in a fresh subprocess, the cold compile of its drafter (CPU
+  (batch 1; and 4 with ``--full-sweep``) and, each K in a fresh subprocess (the smallest and largest K; every K
+  with ``--full-sweep``), the cold compile of its drafter (CPU
   seconds, ratio to K = 1, recompiles over 64 rounds).
 
 It prints a table (progress on stderr) and writes the JSON (``bench.records.Result``) to ``--json``, by default a
@@ -407,7 +408,7 @@ def depths_section(s: Settings) -> dict:
     target = e2e_target(s)
     cfg = KSweepConfig(ks=s.ks, prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, latency_rounds=s.k_rounds,
                        threads=s.threads, cold_compile=s.runs("kcompile"), hf_mtp=s.runs("peer"),
-                       batch4_compiled=s.full_sweep)
+                       batch4_compiled=s.full_sweep, cold_compile_every_k=s.full_sweep)
     result = run_ksweep(target.checkpoint, cfg, prompts=target.prompts, progress=progress)
     result["target"] = target.label
     return result
@@ -452,7 +453,8 @@ def parse_args(argv=None) -> Settings:
     p.add_argument("--k-rounds", type=int, default=None, help="timed draft rounds per K and window (default 200)")
     p.add_argument("--full-sweep", action="store_true",
                    help="the K sweep's batch of 4 with compiled drafters too, and its draft-round latency (about as "
-                        "many compiles again as batch 1's; default: an eager drafter for the batch of 4)")
+                        "many compiles again as batch 1's; default: an eager drafter for the batch of 4), and a cold "
+                        "compile probe for every K (default: the smallest and largest)")
     p.add_argument("--distill-steps", type=int, default=None,
                    help="self-distillation Adam steps of the synthetic e2e target (default: distill's)")
     p.add_argument("--e2e-checkpoint", default=None, metavar="DIR",
