@@ -283,9 +283,11 @@ def _startup_rows(result: dict) -> list[tuple[str, dict]]:
             rows.append((f"{name}: cold compile", comp["cold"]))
         if comp.get("warm"):
             rows.append((f"{name}: FX-cache " + ("hit" if comp["warm_cache_hit"] else "MISSED"), comp["warm"]))
-        startup = (cfg.get("packaged") or {}).get("startup")
-        if startup:
-            rows.append((f"{name}: packaged (AOTInductor)", startup))
+        probe = ((cfg.get("packaged") or {}).get("startup") or {}).get("package")
+        if probe:  # records.StartupProbe in the parts of a compile probe
+            rows.append((f"{name}: packaged (AOTInductor)",
+                         {"import_s": probe["import_s"], "load_s": probe["model_s"],
+                          "first_call_s": probe["ready_s"] + probe["prefill_s"] + probe["first_draft_s"]}))
     return rows
 
 

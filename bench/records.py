@@ -180,24 +180,59 @@ class Failed(TypedDict):
     error: str
 
 
-class Startup(TypedDict):
-    """A fresh process up to its first draft (the fields a ``Probe`` has too, so the two compare)."""
+class StartupProbe(TypedDict):
+    """A fresh process up to its first draft (``bench.packaged.probe``), seconds."""
 
-    import_s: float  # torch, inkling_compiled (and torch._inductor for a package)
-    load_s: float  # the models
-    first_call_s: float  # the first draft: for a package, loading it and running it once
+    mode: str  # "package", "cold" (empty Inductor cache) or "warm" (FX graph cache hit)
+    import_s: float  # torch and inkling_compiled
+    model_s: float  # from_pretrained
+    ready_s: float  # the drafter: loading the package, or building the (lazily compiled) drafter
+    prefill_s: float
+    first_draft_s: float  # for the compiled modes: the compile
+    to_first_draft_s: float  # from the spawn: the figure the start-up goal names
     process_s: float  # the whole subprocess
+    fxgraph_cache_hit: int
+    fxgraph_cache_miss: int
+    dynamo_graphs: int
+    packaged_buckets: int
+
+
+class PackagedStep(TypedDict):
+    seconds: float  # export + AOTInductor compile of this step
+    matches: dict[str, int]  # our passes' matches while compiling it
+    kernels: dict[str, Any]  # testing.kernel_stats of its generated code
+
+
+class PackageBuild(TypedDict):
+    save_s: float  # Drafter.save_compiled, once, ahead of time
+    bytes: int
+    steps: dict[str, PackagedStep]
+
+
+class PackagedLatency(TypedDict):
+    batch: int
+    context: int
+    k: int
+    variants: dict[str, Stats]  # eager, compiled, packaged, *_call (the rounds alone), hf_eager, gemm_floor, ...
+    same_drafts: dict[str, bool]  # every variant's drafts against the compiled drafter's
 
 
 class Packaged(TypedDict):
-    """The draft step packaged ahead of time with AOTInductor (issue 15). Its per-call latency is the ``packaged``
-    variant of ``Latency``, timed interleaved with the others."""
+    """The drafter's rounds packaged ahead of time with AOTInductor (issue 15; ``bench.packaged.run_packaged``)."""
 
+    preset: str
+    k: int
     batch: int
-    build_s: float | None  # export + AOTInductor compile + package, once, ahead of time
-    package_bytes: int | None
-    startup: Startup | None
-    error: str | None  # what failed, leaving the fields after it None
+    context: int
+    threads: int
+    device: str
+    dtype: str
+    torch: str
+    package: PackageBuild | None
+    startup: dict[str, StartupProbe]  # by mode
+    latency: PackagedLatency | None
+    errors: dict[str, str]  # the parts that failed
+    ratios: dict[str, float]  # bench.packaged.ratios: the figures the goals name
 
 
 class QuantScheme(TypedDict):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from .ksweep import format_lines as format_depths
+from .packaged import format_table as packaged_table
 
 VARIANT_LABELS = {
     "eager": "ours eager",
@@ -102,6 +103,22 @@ def evaluate_goals(result: dict) -> list[dict]:
     goals.append(_goal("cpu_tiny_warm_compile", "warm compile (FX graph cache hit) of the draft step on CPU (tiny) "
                        "<= 3 s", "<= 3 s", warm, None if warm is None else warm <= 3, "s",
                        "" if warm is not None else "needs the compile section on CPU with tiny"))
+
+    ratios = (((result.get("configs", {}).get("tiny") or {}).get("packaged") or {}).get("ratios") or {}) if cpu else {}
+    start, speedup = ratios.get("startup_package_s"), ratios.get("packaged_vs_transformers")
+    goals.append(_goal("cpu_tiny_packaged_startup", "fresh process to the first packaged draft on CPU (tiny), imports "
+                       "included, <= 3 s", "<= 3 s", start, None if start is None else start <= 3, "s",
+                       "" if start is not None else "needs the packaged section on CPU with tiny"))
+    goals.append(_goal("cpu_tiny_packaged_vs_transformers", "CPU tiny: packaged draft >= 15x faster than "
+                       "transformers' MtpModel step", ">= 15x", speedup, None if speedup is None else speedup >= 15,
+                       "x", "" if speedup is not None else "needs the packaged section on CPU with tiny (fp32)"))
+
+    probes = [p["cold_compile"] for p in ((result.get("depths") or {}).get("ours") or {}).values()
+              if isinstance(p.get("cold_compile"), dict) and "cpu_s" in p["cold_compile"]]
+    ratio = probes[-1]["ratio_to_first"] if len(probes) > 1 else None
+    goals.append(_goal("k_sweep_compile_ratio", "cold compile of the largest K's drafter <= 2x the smallest K's (CPU "
+                       "seconds)", "<= 2x", ratio, None if ratio is None else ratio <= 2, "x",
+                       "" if ratio is not None else "needs the depths and kcompile sections"))
     return goals
 
 
@@ -286,6 +303,8 @@ def format_table(result: dict) -> str:
             lines += [""] + _latency_lines(lat)
         if cfg.get("quant"):
             lines += [""] + _quant_lines(cfg["quant"])
+        if cfg.get("packaged"):
+            lines += [""] + packaged_table(cfg["packaged"]).splitlines()
         if cfg.get("error"):
             lines.append(f"FAILED: {cfg['error']}")
     if result.get("e2e"):

@@ -12,6 +12,9 @@ batch 1, context 64):
   also the bytes the step must read against measured copy bandwidth;
 * kernels: the generated code of those in-process compiles, stock Inductor vs with passes (definitions, launches,
   loop nests, extern calls, our passes' match counts);
+* packaged: the drafter's round packaged ahead of time with AOTInductor (``bench.packaged``, K = 1, the first batch
+  size): build time, start-up to the first draft in a fresh process (package / cold compile / warm FX-cache hit) and
+  per-call latency of the packaged round beside the compiled one, transformers' ``MtpModel`` and the GEMM floor;
 * quant (not on tiny unless ``--with quant``): the compiled step in fp32, bf16 and int8 weight-only (depths, depths
   + head; ``bench.quant``) against the fp32 step's GEMM floor, at the first batch size;
 * end to end on the text target (a tiny Inkling trained on Python standard-library source, its 8 MTP depths
@@ -73,6 +76,7 @@ SECTIONS = {
     "e2e": "end-to-end speculative generation, K = 1",
     "depths": "the K sweep: end to end per K (batch 1 and 4) and draft-round latency",
     "kcompile": "the K sweep's cold compile per K (a subprocess each)",
+    "packaged": "the drafter packaged with AOTInductor: start-up in fresh processes, per-call latency (K = 1)",
 }
 # Sections a preset runs only when asked with --with: on tiny the quant section's compiles (one per scheme) would
 # multiply the default run's time, for a step too small to be memory-bound
@@ -329,6 +333,14 @@ def config_section(preset: str, s: Settings, copy_bw: float | None, out: dict, s
             progress(f"{preset} quant: FAILED: {type(e).__name__}: {e}")
             out["quant"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         save(f"{preset}/quant")
+    if s.runs("packaged"):
+        from .packaged import run_packaged
+
+        out["packaged"] = run_packaged(preset, k=1, batch=s.batch_sizes[0], context=s.context,
+                                       max_length=s.max_length, device=s.device, dtype=s.dtype, threads=s.threads,
+                                       warmup=s.warmup, rounds=s.rounds, per_round=s.per_round,
+                                       time_budget=s.time_budget, progress=progress)
+        save(f"{preset}/packaged")
 
 
 def quant_section(preset: str, s: Settings) -> dict:

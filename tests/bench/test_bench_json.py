@@ -23,7 +23,7 @@ def quick(tmp_path_factory):
         on_disk_before_e2e.update(json.loads(json_path.read_text()))
         raise RuntimeError("no e2e in this test")
 
-    argv = ["--quick", "--config", "tiny", "--skip", "compile,stock,depths", "--threads", "1",
+    argv = ["--quick", "--config", "tiny", "--skip", "compile,stock,depths,packaged", "--threads", "1",
             "--json", str(json_path), "--record", str(out / "RESULTS.md")]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(run, "e2e_section", e2e_section)

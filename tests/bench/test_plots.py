@@ -58,6 +58,20 @@ def depth_point(k: int, per_position: list[float], rounds_ms: dict[str, dict] | 
             "compile_s": 5.0 + k}
 
 
+def packaged_run():
+    """A records.Packaged of bench.packaged.run_packaged: the package's start-up probe and two latency variants."""
+    startup = {"mode": "package", "import_s": 2.3, "model_s": 0.2, "ready_s": 0.05, "prefill_s": 0.01,
+               "first_draft_s": 0.01, "to_first_draft_s": 2.8, "process_s": 2.9, "fxgraph_cache_hit": 0,
+               "fxgraph_cache_miss": 0, "dynamo_graphs": 0, "packaged_buckets": 1}
+    stats = {"median_ms": 0.1, "p10_ms": 0.09, "p90_ms": 0.12, "min_ms": 0.08, "n": 10}
+    return {"preset": "tiny", "k": 1, "batch": 1, "context": 64, "threads": 1, "device": "cpu", "dtype": "float32",
+            "torch": "2.13.0", "package": {"save_s": 20.0, "bytes": 2_000_000, "steps": {}},
+            "startup": {"package": startup},
+            "latency": {"batch": 1, "context": 64, "k": 1, "variants": {"packaged": stats, "compiled": stats},
+                        "same_drafts": {"packaged": True}},
+            "errors": {}, "ratios": {"startup_package_s": 2.8}}
+
+
 def synthetic_result() -> dict:
     """Every section a run can write, with made-up figures."""
     e2e_methods = {"target": method(50.0, None, None), "target_loop": method(55.0, None, None),
@@ -84,9 +98,7 @@ def synthetic_result() -> dict:
                              "compile": {"batch": 1, "cold": probe(15.0, False), "warm": probe(2.5, True),
                                          "warm_cache_hit": True, "error": None},
                              "kernels": None, "latency": {"1": latency(1), "4": latency(4)},
-                             "packaged": {"batch": 1, "build_s": 20.0, "package_bytes": 2_000_000,
-                                          "startup": {"import_s": 2.3, "load_s": 0.2, "first_call_s": 0.8,
-                                                      "process_s": 3.5}, "error": None},
+                             "packaged": packaged_run(),
                              "quant": quant}},
         "e2e": {"checkpoint": "/ckpt", "device": "cpu", "prompts": 1, "prompt_len": 8, "new_tokens": 16,
                 "methods": e2e_methods, "hf_mtp_depths": 2, "distill": None},
@@ -209,7 +221,7 @@ def test_the_benchmark_ends_with_the_reports_path_or_how_to_get_it(has_matplotli
     if not has_matplotlib:
         _hide_matplotlib(monkeypatch)
     json_path = tmp_path / "result.json"
-    run.run(["--skip", "compile,latency,depths", "--json", str(json_path)])
+    run.run(["--skip", "compile,latency,depths,packaged", "--json", str(json_path)])
     last = capsys.readouterr().out.splitlines()[-1]
     if has_matplotlib:
         assert last == f"report: {tmp_path / 'result.png'}"
