@@ -91,6 +91,7 @@ from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
 from .drafter import check_generator, check_temperature
+from .target_cache import rollback_rows
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
 
@@ -216,12 +217,14 @@ def _as_eos_list(eos_token_id) -> list[int]:
     return [int(v) for v in eos_token_id]
 
 
-def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p, generator
+def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p, generator, lockstep
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check everything before any model call; return (input_ids, attention_mask) as int64 tensors."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     check_temperature(temperature)
+    if not isinstance(lockstep, bool):
+        raise ValueError(f"lockstep must be a bool, got {lockstep!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if (not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point
@@ -291,17 +294,18 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
 def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                          max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                          eos_token_id: int | list[int] | torch.Tensor | None = None, pad_token_id: int | None = None,
-                         generator: torch.Generator | None = None) -> SpeculativeOutput:
+                         generator: torch.Generator | None = None, lockstep: bool = False) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` tokens per sequence with MTP speculative decoding, as many drafts per round
     as the drafter proposes (``Drafter(num_speculative_tokens=K)``; see the module doc).
 
     ``input_ids`` [B, L] is left-padded as described by ``attention_mask`` (1 = real token); ``temperature == 0``
     is greedy (``top_p`` ignored), otherwise tokens follow ``softmax(top_p(logits / temperature))`` exactly.
     ``generator`` (on the target's device) drives every random draw of the loop and is passed to the drafter.
-    Raises ``ValueError`` on bad arguments before any model call.
+    Each sequence advances by its own accepted length; ``lockstep=True`` advances the batch by its shortest one (the
+    benchmark's baseline; same tokens, more rounds). Raises ``ValueError`` on bad arguments before any model call.
     """
     input_ids, attention_mask = _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature,
-                                          top_p, generator)
+                                          top_p, generator, lockstep)
     eos = _as_eos_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
@@ -312,7 +316,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mas
     with torch.no_grad():
         return _run(target, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                     temperature=float(temperature), top_p=float(top_p), eos=eos, pad_token_id=int(pad_token_id),
-                    generator=generator)
+                    generator=generator, lockstep=lockstep)
 
 
 def _proposals(result, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -326,7 +330,7 @@ def _proposals(result, device) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperature, top_p, eos, pad_token_id,
-         generator) -> SpeculativeOutput:
+         generator, lockstep) -> SpeculativeOutput:
     device = input_ids.device
     batch, length = input_ids.shape
     greedy = temperature == 0.0
@@ -350,11 +354,10 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True, dtype=draft_dtype)
     first = choose(logits[:, -1])
     finished = is_eos(first)
-    emitted = [first[:, None]]
     cache.activate_past_recording()  # after the prefill: only the verify rows need history for the rollback
 
     if max_new_tokens == 1 or (eos_t is not None and bool(finished.all())):  # done: no draft needed
-        return _output(input_ids, emitted, [], [], getattr(drafter, "num_speculative_tokens", 1))
+        return _output(input_ids, first[:, None], [], getattr(drafter, "num_speculative_tokens", 1))
 
     pad_left = length - attention_mask.sum(dim=1)  # [B]
     positions = torch.arange(length, device=device)[None, :] - pad_left[:, None]  # real-token positions, < 0 = pad
@@ -365,18 +368,21 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
                            validate=False)
     drafts, q = _proposals(result, device)
     k = drafts.shape[1]  # drafts per round
-    depth = torch.arange(k, device=device)
-    last = first[:, None]  # x_F, the last committed token (not yet in the target cache)
+    lockstep = lockstep or _storage_may_reach_log_scaling(target, length, max_new_tokens, k)
+    columns = torch.arange(k + 1, device=device)
+    # Row b's new tokens, at columns 0..count_b - 1 (the rest pad); room for one round past max_new_tokens.
+    out = torch.full((batch, max_new_tokens + k + 1), pad_token_id, dtype=torch.long, device=device)
+    out[:, 0] = first
+    count = torch.ones(batch, dtype=torch.long, device=device)
+    last = first[:, None]  # x_F per sequence, the last committed token (not yet in the target cache)
     last_pos = positions[:, -1:] + 1  # F per sequence
     mask = attention_mask
 
     stats: list[torch.Tensor] = []
-    emitted_cols: list[int] = []
-    n_new = 1
-    while n_new < max_new_tokens:
+    while True:
         if drafts.shape[1] != k:
             raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, {k} at the prefill")
-        # -- verify [x_F, d_1..d_K] at F..F+K; finished rows verify pad tokens, so their cache holds what they show --
+        # -- verify [x_F, d_1..d_K] at F..F+K; finished rows verify pad tokens (their cache is never read again) --
         verify_ids = torch.cat([last, torch.where(finished[:, None], pad, drafts)], dim=1)
         mask = torch.cat([mask, mask.new_ones(batch, k + 1)], dim=1)
         hidden, logits = _target_step(target, verify_ids, mask, cache, last_only=False, dtype=draft_dtype)
@@ -393,62 +399,70 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
             tokens = torch.cat([tokens, _sample(p[:, k], generator)[:, None]], dim=1)  # the bonus token last
         active = ~finished
         accepted_len = accepted.long().cumprod(dim=1).sum(dim=1)  # a_b: the row's longest accepted prefix
-        lockstep = torch.where(finished, k, accepted_len).amin()
-        # column j of `tokens` is d_{j+1} for j < a_b, then the row's correction: every emitted column is valid
-        tokens = torch.where(finished[:, None], pad, tokens)
+        # column j of `tokens` is d_{j+1} for j < a_b, then the row's correction (or bonus): row b keeps a_b + 1
+        keep = accepted_len + 1
+        if lockstep:  # every row keeps as many as the unfinished row that accepted the fewest
+            keep = torch.where(finished, k + 1, keep).amin().expand(batch)
         eos_hit = is_eos(tokens)
-        seen_eos = eos_hit.long().cumsum(dim=1)
-        tokens = torch.where(seen_eos - eos_hit.long() > 0, pad, tokens)  # columns after the row's first EOS
-        finished_after = finished[:, None] | (seen_eos > 0)  # [B, K+1]: finished once column j is emitted
-        prefix = (accepted_len[:, None] > depth) & active[:, None]  # [B, K]
-        stats.append(torch.cat([active.sum()[None] * k, (accepted_len * active).sum()[None], prefix.sum(dim=0)]))
-        # The one host sync of the round: how many columns to keep, after which of them everyone is done.
-        a, *all_done = torch.cat([lockstep[None], finished_after.all(dim=0).long()]).tolist()
-        keep = a + 1
-        done = next((j + 1 for j in range(keep) if all_done[j]), None)
-        emit = min(done or keep, max_new_tokens - n_new)
-        emitted.append(tokens[:, :emit])
-        emitted_cols.append(emit)
-        n_new += emit
-        finished = finished_after[:, emit - 1]
-        if done is not None or n_new >= max_new_tokens:
+        before_eos = eos_hit.long().cumsum(dim=1) - eos_hit.long() == 0  # columns up to the row's first EOS
+        emit = active[:, None] & (columns < keep[:, None]) & (columns < (max_new_tokens - count)[:, None]) & before_eos
+        emitted = emit.sum(dim=1)
+        out.scatter_(1, count[:, None] + columns, torch.where(emit, tokens, pad))  # past a row's tokens: pad already
+        count = count + emitted
+        finished = finished | (emit & eos_hit).any(dim=1) | (count >= max_new_tokens)
+        prefix = (accepted_len[:, None] > columns[:k]) & active[:, None]  # [B, K]
+        stats.append(torch.cat([active.sum()[None] * k, (accepted_len * active).sum()[None], prefix.sum(dim=0),
+                                emitted.sum()[None]]))
+        # The one host sync of the round: the longest and shortest kept length among the rows that go on.
+        going = ~finished
+        longest, shortest = torch.stack([torch.where(going, keep, 0).amax(),
+                                         torch.where(going, keep, k + 2).amin()]).tolist()
+        if longest == 0:  # every row is finished
             break
-        # -- roll the target back over the rejected rows, feed the drafter the verified rows ---------------------
-        cache.crop(keep - (k + 1))
-        mask = mask[:, :mask.shape[1] - (k + 1 - keep)]
-        rows_ids = tokens[:, :keep]
-        rows_pos = last_pos + torch.arange(keep, device=device)[None, :]
-        result = drafter.draft(rows_ids, rows_pos, hidden[:, :keep], temperature=draft_temperature,
+        # -- roll the target back over each row's rejected rows, feed the drafter each row's verified rows -------
+        common = k + 1 - longest  # rejected by every row that goes on
+        rejected = torch.where(going, k + 1 - keep, common)
+        mask = rollback_rows(cache, mask, rejected, common, ragged=shortest != longest)
+        real = going[:, None] & (columns[:longest] < keep[:, None])
+        rows_ids = torch.where(real, tokens[:, :longest], pad)
+        rows_pos = torch.where(real, last_pos + columns[:longest], -1)
+        result = drafter.draft(rows_ids, rows_pos, hidden[:, :longest], temperature=draft_temperature,
                                generator=generator, validate=False)
         drafts, q = _proposals(result, device)
-        last = rows_ids[:, -1:]
-        last_pos = last_pos + keep
+        last = tokens.gather(1, (keep - 1)[:, None])
+        last_pos = last_pos + keep[:, None]
 
-    return _output(input_ids, emitted, stats, emitted_cols, k)
+    return _output(input_ids, out[:, :int(count.max())], stats, k)
 
 
-def _output(input_ids, emitted: list[torch.Tensor], stats: list[torch.Tensor], emitted_cols: list[int], k: int
-            ) -> SpeculativeOutput:
-    sequences = torch.cat([input_ids, *emitted], dim=1)
+def _storage_may_reach_log_scaling(target, length: int, max_new_tokens: int, k: int) -> bool:
+    """Whether a target query's storage index may reach ``log_scaling_n_floor``: the slots that per-row rollback
+    shifts in would then change full layers' log scaling (docs/protocol.md §6.9), so the loop keeps lockstep."""
+    n_floor = getattr(_text_config(target), "log_scaling_n_floor", None)
+    return n_floor is not None and length + (max_new_tokens - 1) * (k + 1) > n_floor
+
+
+def _output(input_ids, new_tokens: torch.Tensor, stats: list[torch.Tensor], k: int) -> SpeculativeOutput:
+    sequences = torch.cat([input_ids, new_tokens], dim=1)
     per_round = torch.stack(stats).tolist() if stats else []
     drafted = [int(r[0]) for r in per_round]
     accepted_counts = [int(r[1]) for r in per_round]
-    per_position = [[int(c) for c in r[2:]] for r in per_round]
+    per_position = [[int(c) for c in r[2:-1]] for r in per_round]
+    emitted = [int(r[-1]) for r in per_round]
     num_drafted, num_accepted = sum(drafted), sum(accepted_counts)
-    rounds = len(per_round)
     drafting_rows = num_drafted // k
     return SpeculativeOutput(
         sequences=sequences,
         num_new_tokens=sequences.shape[1] - input_ids.shape[1],
-        num_rounds=rounds,
+        num_rounds=len(per_round),
         num_drafted=num_drafted,
         num_accepted=num_accepted,
         acceptance_rate=num_accepted / num_drafted if num_drafted else 0.0,
-        mean_accepted_length=sum(emitted_cols) / rounds if rounds else 0.0,
+        mean_accepted_length=sum(emitted) / drafting_rows if drafting_rows else 0.0,
         num_speculative_tokens=k,
         acceptance_per_position=[sum(c) / drafting_rows for c in zip(*per_position)] if drafting_rows else [],
         drafted_per_round=drafted,
         accepted_per_round=accepted_counts,
         accepted_per_position_per_round=per_position,
-        emitted_per_round=emitted_cols,
+        emitted_per_round=emitted,
     )
