@@ -1,0 +1,136 @@
+"""Per-row acceptance (docs/protocol.md §6.9): every row of a batch advances by its own accepted length, lossless, and
+the target cache rolled back per row equals running each row alone, conv states and sliding layers included.
+
+Scripted drafters (the stand-ins of ``test_speculative*``) decide per row: row 0 always proposes the target's own
+greedy tokens, row 1 never does, the other rows are right at some positions only; the tiny target has a sliding
+window of 8, which the prompts and continuations cross.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from inkling_compiled.runtime import speculative, target_cache
+from inkling_compiled.runtime.speculative import speculative_generate
+from tests.runtime.test_speculative import left_pad, make_target, oracle_from, random_prompts
+from tests.runtime.test_speculative_depths import KStandInDrafter, check_statistics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def per_row_wrong(b, p):
+    """Row 0: every draft right; row 1: every draft wrong; others: wrong at a row-dependent share of positions."""
+    return b == 1 or (b > 1 and (3 * p + 5 * b) % (b + 3) == 0)
+
+
+def _run(target, k, prompts, max_new, lockstep=False, wrong=per_row_wrong):
+    ids, mask = left_pad(prompts)
+    reference = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new)
+    drafter = KStandInDrafter(k, 120, max_length=96, oracle=oracle_from(reference, mask), wrong=wrong)
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=max_new, lockstep=lockstep)
+    assert torch.equal(out.sequences, reference), (k, len(prompts), lockstep)
+    assert drafter.check_rows(out.sequences, mask, target) > 0
+    check_statistics(out, k, ids.shape[1], len(prompts), lockstep=lockstep)
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rows_advance_by_their_own_accepted_length_and_match_generate(target, k):
+    rng = random.Random(30 + k)
+    for batch in (2, 3, 5, 8):
+        prompts = random_prompts(rng, batch, 1, 18)
+        out = _run(target, k, prompts, 20)
+        first = out.accepted_per_position_per_round[0]
+        # row 0 accepted all K drafts and row 1 none: the round emitted K + 1 and 1 tokens for them
+        assert first[-1] >= 1 and first[0] < batch and out.emitted_per_round[0] == batch + out.accepted_per_round[0]
+        # lockstep would hold every row to row 1's single token per round
+        lockstep = _run(target, k, prompts, 20, lockstep=True)
+        assert lockstep.mean_accepted_length == 1.0 < out.mean_accepted_length
+        # row 1 sets the number of rounds either way; per row, the rows that are done stop drafting meanwhile
+        assert out.num_rounds == lockstep.num_rounds == 19 and out.num_drafted < lockstep.num_drafted
+    # finished rows drop out: once row 0 is done, later rounds draft for the others only
+    assert out.drafted_per_round[-1] < out.drafted_per_round[0]
+
+
+def snapshot(cache) -> list[tuple[bool, list[torch.Tensor]]]:
+    """Per layer: (sliding?, [keys, values, conv states...]) cloned."""
+    return [(layer.is_sliding, [t.clone() for t in (layer.keys, layer.values, *(layer.conv_states[i] for i in
+                                                                               sorted(layer.conv_states)))])
+            for layer in cache.layers]
+
+
+def row_states(layers, row: int, real: torch.Tensor | None) -> list[torch.Tensor]:
+    """One row's states: a full layer's slots where ``real`` [N] (all of them for None), a sliding layer's working
+    slots, every conv state."""
+    states = []
+    for sliding, (keys, values, *convs) in layers:
+        keys, values = keys[row], values[row]
+        if real is not None and not sliding:
+            keys, values = keys[:, real], values[:, real]
+        states += [keys, values, *(conv[row] for conv in convs)]
+    return states
+
+
+@pytest.fixture(scope="module")
+def dense_target():
+    """The tiny target with dense MLPs: its batched and single-row forwards differ only by GEMM rounding (a MoE layer
+    groups a batch's tokens per expert, which adds its own)."""
+    return make_target(mlp=("dense", "dense"))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_each_rows_cache_equals_running_that_row_alone(dense_target, monkeypatch, k):
+    """After every round, ragged ones included (rows kept different numbers of tokens), each row's target cache —
+    full layers' real slots, sliding layers' working window, the four conv states of every layer — equals the cache
+    of the same row run alone with the same drafts (its rounds are the same ones, per row), fp32, within
+    1e-5 + 1e-6 * |value| (conv inputs reach ~12, where 1e-5 is a few float32 ulps: the rounding difference between
+    a batched and a single-row GEMM, as large under the batch-wide crop; a wrong slot is off by O(1))."""
+    target = dense_target
+    snapshots = []
+    original = target_cache.rollback_rows
+
+    def spy(cache, attention_mask, rejected, common, ragged):
+        mask = original(cache, attention_mask, rejected, common, ragged)
+        snapshots.append((ragged, mask.clone(), snapshot(cache)))
+        return mask
+
+    monkeypatch.setattr(speculative, "rollback_rows", spy)
+    prompts = [list(range(10, 21)), list(range(30, 44)), list(range(50, 59)), list(range(60, 77))]  # > the window 8
+    _run(target, k, prompts, 16)
+    batched = snapshots[:]
+    assert sum(ragged for ragged, _, _ in batched) >= 2
+    compared = 0
+    for b, prompt in enumerate(prompts):
+        snapshots.clear()
+        _run(target, k, [prompt], 16, wrong=lambda _, p, b=b: per_row_wrong(b, p))
+        assert snapshots and len(snapshots) <= len(batched)
+        for (_, mask, layers), (_, _, alone) in zip(batched, snapshots):  # the rounds the row was still going
+            got, want = row_states(layers, b, mask[b].bool()), row_states(alone, 0, None)
+            assert [t.shape for t in got] == [t.shape for t in want]
+            for ours, expected in zip(got, want):
+                torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-6)
+            compared += 1
+    assert compared >= 2 * len(prompts)
+
+
+def test_masking_rejected_slots_in_place_is_not_enough(target, monkeypatch):
+    """Why the rollback rolls: leaving each row's extra rejected slots in place as masked holes (conv states still
+    gathered per row) puts the row's earlier tokens one storage slot further from every later query, which
+    Inkling's relative bias and window read; the output then leaves the target's greedy continuation."""
+    original = target_cache.rollback_rows
+
+    def holes(cache, attention_mask, rejected, common, ragged):
+        mask = original(cache, attention_mask, rejected, common, ragged=False)  # batch-wide crop, per-row convs
+        columns = torch.arange(mask.shape[1])[None, :]
+        return mask.masked_fill(columns >= mask.shape[1] - (rejected - common)[:, None], 0)
+
+    prompts = [list(range(10, 21)), list(range(30, 44)), list(range(50, 59))]
+    ids, mask = left_pad(prompts)
+    reference = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    monkeypatch.setattr(speculative, "rollback_rows", holes)
+    drafter = KStandInDrafter(3, 120, max_length=96, oracle=oracle_from(reference, mask), wrong=per_row_wrong)
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=16)
+    assert not torch.equal(out.sequences, reference)
