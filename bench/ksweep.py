@@ -12,7 +12,7 @@
   process held the core).
 * ``e2e``: greedy batch-1 tokens/s of ``speculative_generate`` with that drafter, ``mean_accepted_length``,
   ``acceptance_per_position``, ``1 + sum(acceptance_per_position)`` (what each sequence accepted: equal to the mean
-  accepted length at batch 1), the same for one left-padded batch of 4 (the gap is the lockstep cost), and whether
+  accepted length at batch 1), the same for one left-padded batch of 4 (per-row acceptance), and whether
   the tokens equal the target's greedy ``generate``.
 
 Baselines from the same run, on the same prompts: the target alone (``generate(do_sample=False)``) and transformers'
@@ -229,7 +229,7 @@ def _acceptance(outputs) -> dict:
     per_position = [sum(sum(r[j] for r in o.accepted_per_position_per_round) for o in outputs) / rows
                     for j in range(k)]
     rounds = sum(o.num_rounds for o in outputs)
-    return {"mean_accepted_length": sum(sum(o.emitted_per_round) for o in outputs) / rounds,
+    return {"mean_accepted_length": sum(sum(o.emitted_per_round) for o in outputs) / rows,  # per (row, round)
             "acceptance_per_position": per_position, "per_sequence_accepted_length": 1 + sum(per_position),
             "rounds": rounds}
 
@@ -241,7 +241,7 @@ def format_table(result: dict) -> str:
              f"generate(use_mtp=True): {result['hf_mtp']['tokens_per_s']:.1f} tok/s, "
              f"{result['hf_mtp']['tokens_per_round']:.2f} tok/round",
              "  K  cold compile cpu s (wall s, x K=1)  round ms b1 (cpu)  b1 K+1 rows  b4 (cpu)  tok/s  vs target"
-             "  vs hf  accepted len (b4 lockstep / per seq)  acceptance per position  same tokens"]
+             "  vs hf  accepted len (b4 / per seq)  acceptance per position  same tokens"]
     for k, e in result["ks"].items():
         c, r, x = e["compile"], e["round_ms"], e["e2e"]
         lines.append(

@@ -16,44 +16,43 @@
   bonus token at ``F+K+1`` when all K were accepted). Sampling: standard speculative sampling token by token, draft
   ``d_j`` accepted with probability ``min(1, p_j(d_j) / q_j(d_j))`` against the distribution ``q_j`` of the depth that
   drafted it, the first rejection replaced by a sample of ``normalize(max(0, p_j - q_j))``, the bonus token drawn from
-  ``p`` at ``F+K`` when all K were accepted. Afterwards the target's cache is rolled back over the rejected rows:
-  ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and the short-conv states
-  keep their history until ``cache.crop(-n)`` drops the last ``n`` rows (``crop(0)`` just trims them back to their
-  working size). The drafter is fed the verified rows (rows ``F..F+a`` with the committed tokens ``x_{F+1}..x_{F+a+1}``
-  and the target hiddens of those rows); it re-runs its own stale rows (docs/protocol.md §6.5).
+  ``p`` at ``F+K`` when all K were accepted. Each row then keeps its own ``a_b + 1`` tokens. The target's cache is
+  rolled back per row over the rejected rows (:func:`~inkling_compiled.runtime.target_cache.rollback_rows`:
+  ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and the short-conv
+  states keep the verified rows until the rollback; a row that rejected more than the others has its kept slots
+  moved right and the freed ones masked like left padding, docs/protocol.md §6.9). The drafter is fed each row's
+  verified rows (rows ``F_b..F_b+a_b`` with the committed tokens and the target hiddens of those rows, padding after
+  them; none for a finished row); it re-runs its own stale rows (docs/protocol.md §6.5).
 
-Lockstep batching and why it is lossless
-----------------------------------------
-All sequences of a batch advance together (one cache, one crop length). In a round, every unfinished row ``b``
-decides its own accepted count ``a_b`` (0..K) from its own drafts; the batch keeps ``a = min_b a_b`` (finished rows do
-not count) and every row emits ``a + 1`` tokens for positions ``F+1..F+a+1``: its drafts ``d_1..d_a`` and then, at
-``F+a+1``, ``d_{a+1}`` for a row that accepted it, else the row's own correction (greedy: the target's argmax;
-sampling: the residual sample), or the bonus token when ``a = K``. The other tokens of the round are dropped and the
-cache is cropped to the ``a + 1`` kept rows for the whole batch; rows that had accepted more drafts recompute them in
-the next round.
+Per-row acceptance and why it is lossless
+-----------------------------------------
+Every row is its own speculative-decoding run: in a round, unfinished row ``b`` decides its accepted count ``a_b``
+(0..K) from its own drafts and randomness and emits ``a_b + 1`` tokens for positions ``F_b+1..F_b+a_b+1``: its
+drafts ``d_1..d_{a_b}``, then its correction (greedy: the target's argmax; sampling: the residual sample) or, when
+``a_b = K``, the bonus token. Rows share the target forward only: each row's verify rows see exactly its own
+committed tokens (the rollback leaves a row's cache equal to running that row alone, up to GEMM rounding), so
 
-* Greedy: every emitted token is the target's argmax given exactly the committed prefix of its row (the verify rows
-  up to ``F+a`` see only committed tokens: the drafts the row accepted), so the output equals greedy ``generate`` up
-  to floating-point differences between a (K+1)-row and a 1-row forward.
+* Greedy: every emitted token is the target's argmax given exactly the committed prefix of its row; the output
+  equals greedy ``generate`` up to floating-point differences between a (K+1)-row and a 1-row forward.
 * Sampling: for one row, speculative sampling has the property that, given the tokens emitted before position
   ``F+j`` and that position ``F+j`` is reached, its token has law ``p(. | prefix)`` whatever ``q_j`` is
   (``P(x) = min(p, q)(x) + (1 - sum min(p, q)) * normalize(max(0, p - q))(x) = p(x)``; ``q_j`` is drawn given the
-  previous drafts, which are the emitted tokens). Whether the row goes on to position ``F+j+1`` depends only on its
-  acceptance coin at ``F+j`` and on ``a``, i.e. on other rows' independent randomness, never on the value drawn next;
-  a token dropped by the lockstep is drawn afresh from the same conditional law in a later round, and the bonus
-  token is drawn from ``p(. | prefix, d_1..d_K)`` with randomness independent of every acceptance event. Hence each
-  emitted token, conditioned on the row's past and on every scheduling decision made so far, is distributed as the
-  target's next-token distribution: the row's sequence has exactly the law of plain ancestral sampling, and rows are
-  independent given their prompts. Other rows only change *when* a token is drawn, never *from what*.
+  previous drafts, which are the emitted tokens), and the bonus token is drawn from ``p(. | prefix, d_1..d_K)``.
+  Each row's sequence therefore has exactly the law of plain ancestral sampling. Other rows draw from the same
+  generator but never change a row's laws, its window or its cache: rows are independent given their prompts.
 
-What lockstep costs: a round emits ``a + 1`` columns where a row on its own would have emitted ``a_b + 1``;
-``SpeculativeOutput.mean_accepted_length`` is the former, ``1 + sum(acceptance_per_position)`` the latter (they agree
-for batch 1).
+``lockstep=True`` (the benchmark's baseline) keeps the batch together instead: every row emits
+``a + 1`` tokens with ``a = min_b a_b`` over the unfinished rows, the rest of the round is dropped and drawn afresh
+later. That is lossless too (another row's acceptance only decides *whether* a token already drawn from its
+conditional law is kept, never *what* is drawn), but a batch then accepts as little as its least lucky row. The loop
+also keeps lockstep when a target query's storage index could reach the target's ``log_scaling_n_floor``: the slots
+the per-row rollback shifts in would change full layers' log scaling there (docs/protocol.md §6.9).
 
 EOS / length (like ``generate``): once a row emits an EOS id it is finished and later columns hold
-``pad_token_id`` (defaults to the first EOS id, as ``generate`` does); finished rows neither count as drafted nor
-block the batch's acceptance. Generation stops when every row is finished or ``max_new_tokens`` columns were
-emitted; columns past ``max_new_tokens``, or after the column where every row finished, are never emitted. Top-p
+``pad_token_id`` (defaults to the first EOS id, as ``generate`` does); a row that has ``max_new_tokens`` tokens is
+finished too. Finished rows neither count as drafted nor draft (the drafter gets padding rows for them); they still
+verify padding in the batch's target forward. Generation stops when every row is finished; the output has as many
+columns as the longest row, the others padded, so it is ``generate``'s. Top-p
 applies to the target distribution ``p`` only; ``q`` is whatever the drafter sampled from
 (``softmax(draft_logits / T)`` per depth), which keeps the result lossless (a ``q`` that puts mass outside the top-p
 set only lowers acceptance).
@@ -100,16 +99,17 @@ __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
 class SpeculativeOutput:
     """Result of :func:`speculative_generate`.
 
-    ``sequences``: ``[B, L + n]`` (the left-padded prompt followed by the ``n <= max_new_tokens`` new columns).
-    Counts are per unfinished row and round, each row counting the drafts *it* accepted (its longest accepted prefix,
-    before the lockstep cut). ``acceptance_rate`` = accepted drafts / drafted. ``acceptance_per_position[j]`` = the
-    fraction of (row, round) pairs in which draft ``j + 1`` was accepted together with every draft before it (vLLM's
-    per-position acceptance; with K = 1 it is ``[acceptance_rate]``). ``mean_accepted_length`` = new columns emitted by
-    the verify rounds / number of verify rounds (target forwards after the prefill), i.e. tokens per sequence per
-    target forward, the bonus / corrected token included (vLLM's "acceptance length"); for batch 1 it is
-    ``1 + sum(acceptance_per_position)`` up to the final truncation. The prefill's first token is not counted.
-    Per round: ``drafted_per_round`` (K x unfinished rows), ``accepted_per_round`` (their accepted drafts),
-    ``accepted_per_position_per_round`` (K counts: rows whose first j + 1 drafts were accepted), ``emitted_per_round``.
+    ``sequences``: ``[B, L + n]`` (the left-padded prompt followed by the ``n <= max_new_tokens`` new columns, rows
+    that finished early padded). Counts are per unfinished row and round, each row counting the drafts *it* accepted
+    (its longest accepted prefix, before a lockstep cut). ``acceptance_rate`` = accepted drafts / drafted.
+    ``acceptance_per_position[j]`` = the fraction of (row, round) pairs in which draft ``j + 1`` was accepted
+    together with every draft before it (vLLM's per-position acceptance; with K = 1 it is ``[acceptance_rate]``).
+    ``mean_accepted_length`` = tokens the rows emitted in verify rounds / (row, round) pairs, i.e. tokens per
+    sequence per target forward, the bonus / corrected token included (vLLM's "acceptance length"); per row it is
+    ``1 + sum(acceptance_per_position)`` up to the final truncation, with ``lockstep=True`` it is what the batch's
+    cut left. The prefill's first token is not counted. Per round: ``drafted_per_round`` (K x unfinished rows),
+    ``accepted_per_round`` (their accepted drafts), ``accepted_per_position_per_round`` (K counts: rows whose first
+    j + 1 drafts were accepted), ``emitted_per_round`` (tokens the rows emitted, summed over rows).
     """
 
     sequences: torch.LongTensor

@@ -16,8 +16,8 @@ def output(per_round, emitted, rows=1, k=3):
 
 def test_pooled_acceptance_per_position_and_lengths():
     batch1 = output([[1, 1, 0], [0, 0, 0], [1, 1, 1]], [3, 1, 4])
-    batch2 = output([[2, 1, 0]], [1], rows=2)  # lockstep: a row accepted 2 drafts, the other 0 -> one column
+    batch2 = output([[2, 1, 0]], [4], rows=2)  # per row: one row accepted 2 drafts (3 tokens), the other 0 (1)
     pooled = _acceptance([batch1, batch2])
     assert pooled["acceptance_per_position"] == [4 / 5, 3 / 5, 1 / 5]
-    assert pooled["mean_accepted_length"] == 9 / 4 and pooled["rounds"] == 4
+    assert pooled["mean_accepted_length"] == 12 / 5 and pooled["rounds"] == 4  # tokens per (row, round)
     assert abs(pooled["per_sequence_accepted_length"] - (1 + 8 / 5)) < 1e-12
