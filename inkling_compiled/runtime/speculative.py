@@ -90,7 +90,7 @@ from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
 from .drafter import check_generator, check_temperature
-from .target_cache import rollback_rows
+from .target_cache import rollback_rows, select_rows
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
 
@@ -336,7 +336,6 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     greedy = temperature == 0.0
     draft_temperature = 0.0 if greedy else temperature
     eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
-    pad = torch.full((batch, 1), pad_token_id, dtype=torch.long, device=device)
     # A drafter may run in another dtype than the target (a bf16 / int8 draft head beside an fp32 target, holding its
     # own copy of the shared tensors): it gets the target's hiddens in its own dtype.
     draft_dtype = getattr(getattr(drafter, "model", None), "dtype", None)
@@ -370,22 +369,27 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     k = drafts.shape[1]  # drafts per round
     lockstep = lockstep or _storage_may_reach_log_scaling(target, length, max_new_tokens, k)
     columns = torch.arange(k + 1, device=device)
-    # Row b's new tokens, at columns 0..count_b - 1 (the rest pad); room for one round past max_new_tokens.
+    # Every row's new tokens at columns 0..count_b - 1 (the rest pad), with room for one round past max_new_tokens.
     out = torch.full((batch, max_new_tokens + k + 1), pad_token_id, dtype=torch.long, device=device)
     out[:, 0] = first
     count = torch.ones(batch, dtype=torch.long, device=device)
-    last = first[:, None]  # x_F per sequence, the last committed token (not yet in the target cache)
-    last_pos = positions[:, -1:] + 1  # F per sequence
-    mask = attention_mask
+    # Only unfinished rows go on: `rows` are their indices in the batch, and `last` (x_F, not yet in the target
+    # cache), `last_pos` (F), the drafts, `mask` and the target cache hold those rows alone.
+    rows, last, last_pos = torch.arange(batch, device=device), first[:, None], positions[:, -1:] + 1
+    state = (rows, last, last_pos, attention_mask, drafts, q)
+    if eos_t is not None and bool(finished.any()):
+        state = _drop_finished(cache, (~finished).nonzero().squeeze(1), state)
+    rows, last, last_pos, mask, drafts, q = state
 
     stats: list[torch.Tensor] = []
     while True:
         if drafts.shape[1] != k:
             raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, {k} at the prefill")
-        # -- verify [x_F, d_1..d_K] at F..F+K; finished rows verify pad tokens (their cache is never read again) --
-        verify_ids = torch.cat([last, torch.where(finished[:, None], pad, drafts)], dim=1)
-        mask = torch.cat([mask, mask.new_ones(batch, k + 1)], dim=1)
-        hidden, logits = _target_step(target, verify_ids, mask, cache, last_only=False, dtype=draft_dtype)
+        live = rows.shape[0]
+        # -- verify [x_F, d_1..d_K] at F..F+K ---------------------------------------------------------------------
+        mask = torch.cat([mask, mask.new_ones(live, k + 1)], dim=1)
+        hidden, logits = _target_step(target, torch.cat([last, drafts], dim=1), mask, cache, last_only=False,
+                                      dtype=draft_dtype)
         if greedy:
             tokens = logits.argmax(-1)  # [B, K+1]: the target's token for F+1..F+K+1
             accepted = tokens[:, :k] == drafts
@@ -397,42 +401,62 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
             p = target_distribution(logits, temperature, top_p)
             accepted, tokens = _verify_sampled(p[:, :k], q, drafts, generator)
             tokens = torch.cat([tokens, _sample(p[:, k], generator)[:, None]], dim=1)  # the bonus token last
-        active = ~finished
         accepted_len = accepted.long().cumprod(dim=1).sum(dim=1)  # a_b: the row's longest accepted prefix
         # column j of `tokens` is d_{j+1} for j < a_b, then the row's correction (or bonus): row b keeps a_b + 1
         keep = accepted_len + 1
-        if lockstep:  # every row keeps as many as the unfinished row that accepted the fewest
-            keep = torch.where(finished, k + 1, keep).amin().expand(batch)
+        if lockstep:  # every row keeps as many as the row that accepted the fewest
+            keep = keep.amin().expand(live)
         eos_hit = is_eos(tokens)
         before_eos = eos_hit.long().cumsum(dim=1) - eos_hit.long() == 0  # columns up to the row's first EOS
-        emit = active[:, None] & (columns < keep[:, None]) & (columns < (max_new_tokens - count)[:, None]) & before_eos
+        row_count = count[rows]
+        emit = (columns < keep[:, None]) & (columns < (max_new_tokens - row_count)[:, None]) & before_eos
         emitted = emit.sum(dim=1)
-        out.scatter_(1, count[:, None] + columns, torch.where(emit, tokens, pad))  # past a row's tokens: pad already
-        count = count + emitted
-        finished = finished | (emit & eos_hit).any(dim=1) | (count >= max_new_tokens)
-        prefix = (accepted_len[:, None] > columns[:k]) & active[:, None]  # [B, K]
-        stats.append(torch.cat([active.sum()[None] * k, (accepted_len * active).sum()[None], prefix.sum(dim=0),
+        out[rows[:, None], row_count[:, None] + columns] = torch.where(emit, tokens, pad_token_id)  # pad past them
+        count.index_add_(0, rows, emitted)
+        going = ~(emit & eos_hit).any(dim=1) & (row_count + emitted < max_new_tokens)
+        prefix = accepted_len[:, None] > columns[:k]  # [B, K]
+        stats.append(torch.cat([torch.tensor([live * k], device=device), accepted_len.sum()[None], prefix.sum(dim=0),
                                 emitted.sum()[None]]))
-        # The one host sync of the round: the longest and shortest kept length among the rows that go on.
-        going = ~finished
-        longest, shortest = torch.stack([torch.where(going, keep, 0).amax(),
-                                         torch.where(going, keep, k + 2).amin()]).tolist()
-        if longest == 0:  # every row is finished
+        # The one host sync of the round: the longest and shortest kept length among the rows that go on, and
+        # how many go on.
+        longest, shortest, still = torch.stack([torch.where(going, keep, 0).amax(),
+                                                torch.where(going, keep, k + 2).amin(), going.sum()]).tolist()
+        if still == 0:
             break
         # -- roll the target back over each row's rejected rows, feed the drafter each row's verified rows -------
         common = k + 1 - longest  # rejected by every row that goes on
         rejected = torch.where(going, k + 1 - keep, common)
         mask = rollback_rows(cache, mask, rejected, common, ragged=shortest != longest)
         real = going[:, None] & (columns[:longest] < keep[:, None])
-        rows_ids = torch.where(real, tokens[:, :longest], pad)
+        rows_ids = torch.where(real, tokens[:, :longest], pad_token_id)
         rows_pos = torch.where(real, last_pos + columns[:longest], -1)
-        result = drafter.draft(rows_ids, rows_pos, hidden[:, :longest], temperature=draft_temperature,
-                               generator=generator, validate=False)
+        rows_hidden = hidden[:, :longest]
+        if live < batch:  # the drafter's cache rows are the batch's: the rows that dropped out get padding
+            rows_ids, rows_pos, rows_hidden = (_scatter_rows(t, rows, batch, fill) for t, fill in
+                                               ((rows_ids, pad_token_id), (rows_pos, -1), (rows_hidden, 0)))
+        result = drafter.draft(rows_ids, rows_pos, rows_hidden, temperature=draft_temperature, generator=generator,
+                               validate=False)
         drafts, q = _proposals(result, device)
-        last = tokens.gather(1, (keep - 1)[:, None])
-        last_pos = last_pos + keep[:, None]
+        drafts, q = drafts[rows], None if q is None else q[rows]
+        last, last_pos = tokens.gather(1, (keep - 1)[:, None]), last_pos + keep[:, None]
+        if still < live:  # rows finished this round: they drop out of the target's batch (a host sync, rarely)
+            rows, last, last_pos, mask, drafts, q = _drop_finished(cache, going.nonzero().squeeze(1),
+                                                                   (rows, last, last_pos, mask, drafts, q))
 
     return _output(input_ids, out[:, :int(count.max())], stats, k)
+
+
+def _drop_finished(cache, kept: torch.Tensor, state: tuple) -> tuple:
+    """Keep the rows ``kept`` of the target cache and of the per-row tensors in ``state`` (None stays None)."""
+    select_rows(cache, kept)
+    return tuple(None if t is None else t[kept] for t in state)
+
+
+def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, batch: int, fill) -> torch.Tensor:
+    """``values`` [R, ...] of the batch rows ``rows`` as a [batch, ...] tensor, ``fill`` in the other rows."""
+    full = values.new_full((batch, *values.shape[1:]), fill)
+    full[rows] = values
+    return full
 
 
 def _storage_may_reach_log_scaling(target, length: int, max_new_tokens: int, k: int) -> bool:

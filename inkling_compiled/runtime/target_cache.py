@@ -61,7 +61,10 @@ def rollback_rows(cache, attention_mask: torch.Tensor, rejected: torch.Tensor, c
         for index, state in layer.conv_states.items():
             if state is None:
                 continue
-            kernel = layer.conv_kernel_size[index]
+            kernel, end = layer.conv_kernel_size[index], state.shape[-1] - common
+            if not ragged:
+                layer.conv_states[index] = state[..., end - kernel:end]
+                continue
             start = state.shape[-1] - kernel - rejected  # [B]: the first input of each sequence's state
             taps = (start[:, None] + torch.arange(kernel, device=state.device)[None, :])[:, None, :]
             layer.conv_states[index] = state.gather(-1, taps.expand(-1, state.shape[1], -1))
@@ -85,3 +88,14 @@ def rollback_rows(cache, attention_mask: torch.Tensor, rejected: torch.Tensor, c
     shifted = _shift_right(attention_mask, extra, length, dim=1)
     front = torch.arange(length, device=attention_mask.device)[None, :] < extra[:, None]
     return shifted.masked_fill(front, 0)
+
+
+def select_rows(cache, index: torch.Tensor) -> None:
+    """Keep only the sequences ``index`` [B'] of ``cache`` (K/V and conv states of every layer), so that finished
+    sequences drop out of the target's forward. transformers' ``batch_select_indices`` leaves conv states alone."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        for state_index, state in getattr(layer, "conv_states", {}).items():
+            if state is not None:
+                layer.conv_states[state_index] = state.index_select(0, index)

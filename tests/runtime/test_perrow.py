@@ -89,26 +89,34 @@ def test_each_rows_cache_equals_running_that_row_alone(dense_target, monkeypatch
     1e-5 + 1e-6 * |value| (conv inputs reach ~12, where 1e-5 is a few float32 ulps: the rounding difference between
     a batched and a single-row GEMM, as large under the batch-wide crop; a wrong slot is off by O(1))."""
     target = dense_target
-    snapshots = []
-    original = target_cache.rollback_rows
+    snapshots, alive = [], []  # alive: the batch rows the target cache holds, in its order
+    original_rollback, original_select = target_cache.rollback_rows, target_cache.select_rows
 
-    def spy(cache, attention_mask, rejected, common, ragged):
-        mask = original(cache, attention_mask, rejected, common, ragged)
-        snapshots.append((ragged, mask.clone(), snapshot(cache)))
+    def rollback(cache, attention_mask, rejected, common, ragged):
+        mask = original_rollback(cache, attention_mask, rejected, common, ragged)
+        snapshots.append((ragged, mask.clone(), snapshot(cache), alive[:]))
         return mask
 
-    monkeypatch.setattr(speculative, "rollback_rows", spy)
+    def select(cache, index):  # finished rows drop out of the target's batch
+        original_select(cache, index)
+        alive[:] = [alive[i] for i in index.tolist()]
+
+    monkeypatch.setattr(speculative, "rollback_rows", rollback)
+    monkeypatch.setattr(speculative, "select_rows", select)
     prompts = [list(range(10, 21)), list(range(30, 44)), list(range(50, 59)), list(range(60, 77))]  # > the window 8
+    alive[:] = range(len(prompts))
     _run(target, k, prompts, 16)
     batched = snapshots[:]
-    assert sum(ragged for ragged, _, _ in batched) >= 2
+    assert sum(ragged for ragged, *_ in batched) >= 2 and len(batched[-1][-1]) < len(prompts)  # rows dropped out
     compared = 0
     for b, prompt in enumerate(prompts):
         snapshots.clear()
+        alive[:] = [0]
         _run(target, k, [prompt], 16, wrong=lambda _, p, b=b: per_row_wrong(b, p))
         assert snapshots and len(snapshots) <= len(batched)
-        for (_, mask, layers), (_, _, alone) in zip(batched, snapshots):  # the rounds the row was still going
-            got, want = row_states(layers, b, mask[b].bool()), row_states(alone, 0, None)
+        for (_, mask, layers, rows), (_, _, alone, _) in zip(batched, snapshots):  # the rounds the row went on
+            row = rows.index(b)
+            got, want = row_states(layers, row, mask[row].bool()), row_states(alone, 0, None)
             assert [t.shape for t in got] == [t.shape for t in want]
             for ours, expected in zip(got, want):
                 torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-6)
