@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -207,21 +208,23 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="eager drafter (no compile time)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        from inkling_compiled.testing.synthetic import cached_checkpoint
-        from inkling_compiled.training.distill import distill
-
-        checkpoint = distill(cached_checkpoint("tiny8"))
     cfg = PerRowConfig(batches=tuple(int(b) for b in args.batches.split(",")),
                        ks=tuple(int(k) for k in args.ks.split(",")), new_tokens=args.new_tokens,
                        threads=args.threads, compile=not args.no_compile)
-    result = run_perrow(checkpoint, cfg, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    result = run_perrow(args.checkpoint or _distilled_tiny8(), cfg,
+                        progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0
+
+
+def _distilled_tiny8():
+    """The default checkpoint: the tiny8 preset, self-distilled (cached; the one ``bench.ksweep`` uses)."""
+    from inkling_compiled.testing.synthetic import cached_checkpoint
+    from inkling_compiled.training.distill import distill
+
+    return distill(cached_checkpoint("tiny8"))
 
 
 if __name__ == "__main__":

@@ -50,16 +50,18 @@ the per-row rollback shifts in would change full layers' log scaling there (docs
 
 EOS / length (like ``generate``): once a row emits an EOS id it is finished and later columns hold
 ``pad_token_id`` (defaults to the first EOS id, as ``generate`` does); a row that has ``max_new_tokens`` tokens is
-finished too. Finished rows neither count as drafted nor draft (the drafter gets padding rows for them); they still
-verify padding in the batch's target forward. Generation stops when every row is finished; the output has as many
-columns as the longest row, the others padded, so it is ``generate``'s. Top-p
+finished too. Finished rows neither count as drafted nor draft (the drafter gets padding rows for them) and drop
+out of the target's batch and cache (:func:`~inkling_compiled.runtime.target_cache.select_rows`). Generation stops
+when every row is finished; the output has as many columns as the longest row, the others padded, so it is
+``generate``'s. Top-p
 applies to the target distribution ``p`` only; ``q`` is whatever the drafter sampled from
 (``softmax(draft_logits / T)`` per depth), which keeps the result lossless (a ``q`` that puts mass outside the top-p
 set only lowers acceptance).
 
 Host syncs: input validation, once, before any model call (the drafter is then called with ``validate=False``),
-and one ``.tolist()`` per round for the accept decision and stopping flags; the per-round statistics stay on the
-device until the end. (transformers' own mask construction adds its own checks inside the target forward.)
+and one ``.tolist()`` per round (the longest and shortest kept length, how many rows go on), plus one
+``nonzero`` in a round where rows finished; the per-round statistics stay on the device until the end.
+(transformers' own mask construction adds its own checks inside the target forward.)
 
 Plugging into ``generate(..., use_mtp=True)``
 --------------------------------------------
