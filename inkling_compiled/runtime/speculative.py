@@ -417,7 +417,7 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
         count.index_add_(0, rows, emitted)
         going = ~(emit & eos_hit).any(dim=1) & (row_count + emitted < max_new_tokens)
         prefix = accepted_len[:, None] > columns[:k]  # [B, K]
-        stats.append(torch.cat([torch.tensor([live * k], device=device), accepted_len.sum()[None], prefix.sum(dim=0),
+        stats.append(torch.cat([accepted_len.new_full((1,), live * k), accepted_len.sum()[None], prefix.sum(dim=0),
                                 emitted.sum()[None]]))
         # The one host sync of the round: the longest and shortest kept length among the rows that go on, and
         # how many go on.
