@@ -11,9 +11,12 @@ batch size (batch 1: one prompt at a time; batch B: the prompts in groups of B) 
 * ``same_tokens``: every continuation equals the target's greedy ``generate`` (decoding is lossless);
 * ``rollback``: per-row runs again with the verify forward and the per-row rollback timed (``time.perf_counter``
   around each call): median ms per round of each, the rollback's share, and the median of the ragged rounds alone
-  (rows rejected different counts: the K/V gather; the others are a plain crop).
+  (rows rejected different counts: the K/V gather; the others are a plain crop);
+* ``rollback_vs_context``: the same two timings outside the loop, on a cache of ``context`` positions (batch
+  max(batches), K = max(ks), every round ragged: rows keep 1..K+1), for longer contexts than the runs reach.
 
-Every configuration runs once untimed first (the drafter compiles its shapes), then once timed; one intra-op thread.
+Every configuration runs once untimed first (the drafter compiles its shapes), then once timed, lockstep and per row
+taking turns group by group; one intra-op thread.
 
     python -m bench.perrow [--checkpoint DIR] [--batches 1,4,8] [--ks 1,4] [--new-tokens 48] [--json out.json]
 
@@ -45,6 +48,7 @@ class PerRowConfig:
     seed: int = 0
     threads: int = 1
     compile: bool = True
+    contexts: tuple[int, ...] = (64, 512, 2048)
 
 
 def _prompts(vocab: int, cfg: PerRowConfig) -> list[torch.Tensor]:
@@ -86,11 +90,11 @@ def timed_rollback(records: dict[str, list[float]]):
             records["forward"].append(1e3 * (time.perf_counter() - start))
         return result
 
-    def rolled(cache, mask, rejected, common, ragged):
+    def rolled(cache, mask, rejected):
         start = time.perf_counter()
-        result = rollback(cache, mask, rejected, common, ragged)
+        result = rollback(cache, mask, rejected)
         records["rollback"].append(1e3 * (time.perf_counter() - start))
-        if ragged:
+        if len(set(rejected)) > 1:
             records["ragged"].append(records["rollback"][-1])
         return result
 
@@ -99,6 +103,35 @@ def timed_rollback(records: dict[str, list[float]]):
         yield records
     finally:
         speculative._target_step, speculative.rollback_rows = step, rollback
+
+
+def rollback_cost(target, batch: int, context: int, k: int, rounds: int = 20, seed: int = 0) -> dict:
+    """Median wall ms of a verify forward (K + 1 rows, ``_target_step``) and of the ragged per-row rollback after
+    it, on a cache that starts at ``context`` positions; rows keep 1, 2, .., K + 1 of the verified rows."""
+    from transformers import DynamicCache
+
+    from inkling_compiled.runtime.speculative import _target_step
+    from inkling_compiled.runtime.target_cache import rollback_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.get_text_config().vocab_size
+    mask = torch.ones(batch, context, dtype=torch.long)
+    cache = DynamicCache(config=target.config)
+    _target_step(target, torch.randint(3, vocab, (batch, context), generator=gen), mask, cache, last_only=True)
+    cache.activate_past_recording()
+    rejected = [b % (k + 1) for b in range(batch)]
+    forward, rollback = [], []
+    for _ in range(rounds):
+        mask = torch.cat([mask, mask.new_ones(batch, k + 1)], dim=1)
+        start = time.perf_counter()
+        _target_step(target, torch.randint(3, vocab, (batch, k + 1), generator=gen), mask, cache, last_only=False)
+        middle = time.perf_counter()
+        mask = rollback_rows(cache, mask, rejected)
+        forward.append(1e3 * (middle - start))
+        rollback.append(1e3 * (time.perf_counter() - middle))
+    forward_ms, rollback_ms = statistics.median(forward), statistics.median(rollback)
+    return {"context": context, "batch": batch, "k": k, "forward_ms": forward_ms, "rollback_ms": rollback_ms,
+            "share": rollback_ms / forward_ms}
 
 
 def run_perrow(checkpoint, cfg: PerRowConfig | None = None, progress=lambda msg: None) -> dict:
@@ -122,8 +155,7 @@ def run_perrow(checkpoint, cfg: PerRowConfig | None = None, progress=lambda msg:
         reference = None
         for batch in cfg.batches:
             groups = _groups(prompts, batch)
-            for ids, mask in groups:  # warm-up
-                target.generate(ids, attention_mask=mask, generation_config=gconfig)
+            target.generate(groups[0][0], attention_mask=groups[0][1], generation_config=gconfig)  # warm-up
             start = time.perf_counter()
             outputs = [target.generate(ids, attention_mask=mask, generation_config=gconfig) for ids, mask in groups]
             result["target"][batch] = {"tokens_per_s": len(prompts) * cfg.new_tokens / (time.perf_counter() - start)}
@@ -135,24 +167,28 @@ def run_perrow(checkpoint, cfg: PerRowConfig | None = None, progress=lambda msg:
             entry = result["ks"][k] = {}
             for batch in cfg.batches:
                 groups = _groups(prompts, batch)
+                progress(f"perrow: K={k} batch {batch}")
+
+                def run(ids, mask, mode, drafter=drafter):
+                    return speculative_generate(target, drafter, ids, mask, max_new_tokens=cfg.new_tokens,
+                                                lockstep=mode == "lockstep")
+
+                for ids, mask in groups:  # warm-up: compiles the drafter's shapes of this batch
+                    for mode in MODES:
+                        run(ids, mask, mode)
+                outputs, seconds = {mode: [] for mode in MODES}, dict.fromkeys(MODES, 0.0)
+                for ids, mask in groups:  # the modes take turns group by group: drift hits them alike
+                    for mode in MODES:
+                        start = time.perf_counter()
+                        outputs[mode].append(run(ids, mask, mode))
+                        seconds[mode] += time.perf_counter() - start
                 for mode in MODES:
-                    progress(f"perrow: K={k} batch {batch} {mode}")
-
-                    def run(ids, mask, mode=mode, drafter=drafter):
-                        return speculative_generate(target, drafter, ids, mask, max_new_tokens=cfg.new_tokens,
-                                                    lockstep=mode == "lockstep")
-
-                    for ids, mask in groups:  # warm-up: compiles the drafter's shapes of this batch
-                        run(ids, mask)
-                    start = time.perf_counter()
-                    outputs = [run(ids, mask) for ids, mask in groups]
-                    seconds = time.perf_counter() - start
-                    tokens = [c for out, (_, mask) in zip(outputs, groups) for c in _continuations(out, mask)]
-                    rows = sum(out.num_drafted for out in outputs) // k
+                    tokens = [c for out, (_, mask) in zip(outputs[mode], groups) for c in _continuations(out, mask)]
+                    rows = sum(out.num_drafted for out in outputs[mode]) // k
                     entry.setdefault(batch, {})[mode] = {
-                        "tokens_per_forward": sum(sum(out.emitted_per_round) for out in outputs) / rows,
-                        "target_forwards": sum(out.num_rounds + 1 for out in outputs),
-                        "tokens_per_s": len(prompts) * cfg.new_tokens / seconds,
+                        "tokens_per_forward": sum(sum(out.emitted_per_round) for out in outputs[mode]) / rows,
+                        "target_forwards": sum(out.num_rounds + 1 for out in outputs[mode]),
+                        "tokens_per_s": len(prompts) * cfg.new_tokens / seconds[mode],
                         "same_tokens": tokens == reference,
                     }
                 records: dict[str, list[float]] = {"forward": [], "rollback": [], "ragged": []}
@@ -164,11 +200,14 @@ def run_perrow(checkpoint, cfg: PerRowConfig | None = None, progress=lambda msg:
                 entry[batch]["rollback"] = {"forward_ms": forward, "rollback_ms": rollback, "share": rollback / forward,
                                             "ragged_ms": ragged, "rounds": len(records["rollback"]),
                                             "ragged_rounds": len(records["ragged"])}
-            base = entry[cfg.batches[0]]
+            base = entry[cfg.batches[0]]  # the baseline batch size
             for batch in cfg.batches:
                 for mode in MODES:
                     figures = entry[batch][mode]
                     figures["vs_batch1"] = figures["tokens_per_forward"] / base[mode]["tokens_per_forward"]
+        progress("perrow: rollback vs context")
+        result["rollback_vs_context"] = [rollback_cost(target, max(cfg.batches), context, max(cfg.ks))
+                                         for context in cfg.contexts]
     return result
 
 
@@ -191,6 +230,10 @@ def format_table(result: dict) -> str:
                 f"      {rb['rollback_ms']:6.3f} ({_ms(rb['ragged_ms'])}) / {rb['forward_ms']:6.2f}"
                 f" ({rb['share']:5.1%})"
                 f"            {lock['same_tokens'] and per['same_tokens']}")
+    for cost in result.get("rollback_vs_context", []):
+        lines.append(f"rollback outside the loop, batch {cost['batch']}, K={cost['k']}, context {cost['context']}: "
+                     f"{cost['rollback_ms']:.3f} ms vs verify forward {cost['forward_ms']:.2f} ms "
+                     f"({cost['share']:.1%})")
     return "\n".join(lines)
 
 

@@ -59,7 +59,7 @@ applies to the target distribution ``p`` only; ``q`` is whatever the drafter sam
 set only lowers acceptance).
 
 Host syncs: input validation, once, before any model call (the drafter is then called with ``validate=False``),
-and one ``.tolist()`` per round (the longest and shortest kept length, how many rows go on), plus one
+and one ``.tolist()`` per round (each row's kept length, whether it goes on), plus one
 ``nonzero`` in a round where rows finished; the per-round statistics stay on the device until the end.
 (transformers' own mask construction adds its own checks inside the target forward.)
 
@@ -419,16 +419,16 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
         prefix = accepted_len[:, None] > columns[:k]  # [B, K]
         stats.append(torch.cat([accepted_len.new_full((1,), live * k), accepted_len.sum()[None], prefix.sum(dim=0),
                                 emitted.sum()[None]]))
-        # The one host sync of the round: the longest and shortest kept length among the rows that go on, and
-        # how many go on.
-        longest, shortest, still = torch.stack([torch.where(going, keep, 0).amax(),
-                                                torch.where(going, keep, k + 2).amin(), going.sum()]).tolist()
+        # The one host sync of the round: each row's kept length and whether it goes on.
+        values = torch.cat([keep, going.long()]).tolist()
+        kept, goes = values[:live], values[live:]
+        still = sum(goes)
         if still == 0:
             break
+        longest = max(n for n, g in zip(kept, goes) if g)
         # -- roll the target back over each row's rejected rows, feed the drafter each row's verified rows -------
-        common = k + 1 - longest  # rejected by every row that goes on
-        rejected = torch.where(going, k + 1 - keep, common)
-        mask = rollback_rows(cache, mask, rejected, common, ragged=shortest != longest)
+        # (a row that finished here is cropped like the row that kept the most: it is dropped below anyway)
+        mask = rollback_rows(cache, mask, [k + 1 - (n if g else longest) for n, g in zip(kept, goes)])
         real = going[:, None] & (columns[:longest] < keep[:, None])
         rows_ids = torch.where(real, tokens[:, :longest], pad_token_id)
         rows_pos = torch.where(real, last_pos + columns[:longest], -1)

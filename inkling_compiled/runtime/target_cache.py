@@ -12,17 +12,18 @@ front, exactly like left padding (the attention mask gets zeros there):
   every later query would see its earlier tokens one hole too far (measured: up to 3.9 logits off). Rolled right, a
   sequence's kept tokens stay contiguous and end at the storage frontier, as if it had been run alone with more
   left padding; masked slots at the front are what left-padded ``generate`` already handles.
-* **Full-attention layers**: keys and values ``[B, H, N, D]`` are gathered at ``j - e_b`` (the slots shifted in
-  at the front repeat slot 0 and are masked).
+* **Full-attention layers**: in keys and values ``[B, H, N, D]`` each moving row's slot j takes slot ``j - e_b``
+  (in place; the slots shifted in at the front keep stale values, finite and masked).
 * **Sliding layers** (recording their past since the prefill) hold the last ``W - 1`` slots plus the verified rows;
   the same shift, then back to their working size ``W - 1``. The slots shifted in at their front fall outside that
   size or under the mask, since both move with the same ``e_b``.
 * **Short-conv states** hold the last inputs plus the verified rows' inputs; each sequence's state becomes the
   ``kernel`` inputs ending at its own frontier (``r_b`` before the end).
 
-Cost, per round: one gather of every full layer's K/V (what ``DynamicCache.update`` already copies once per forward
-with its ``torch.cat``), skipped when every sequence rejected the same count (then it is the plain crop);
-``bench/RESULTS.md`` has the measured figures against the target forward. The query's own storage index enters only
+Cost, per round: a copy of the moving rows' K/V in every layer (at most what ``DynamicCache.update`` already copies
+once per forward with its ``torch.cat``), nothing when every sequence rejected the same count (then it is the plain
+crop); ``bench/RESULTS.md`` has the measured figures against the target forward. The per-row counts come to the
+host with the round's one sync. The query's own storage index enters only
 full layers' log scaling (``log_scaling_n_floor``), which the rolled-in slots would shift: the loop checks that the
 storage cannot reach that floor before it rolls.
 """
@@ -36,58 +37,70 @@ def _conv_layers(cache):
     return [layer for layer in cache.layers if hasattr(layer, "conv_states")]
 
 
-def _shift_right(storage: torch.Tensor, shift: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """``out[b, ..., j, ...] = storage[b, ..., j - shift[b], ...]`` for ``j < length`` along ``dim`` (slot 0 repeated
-    where ``j < shift[b]``)."""
-    index = (torch.arange(length, device=storage.device)[None, :] - shift[:, None]).clamp_min(0)  # [B, length]
-    view = [storage.shape[0]] + [1] * (storage.dim() - 1)
-    view[dim] = length
-    shape = list(storage.shape)
-    shape[dim] = length
-    return storage.gather(dim, index.view(view).expand(shape))
+def _shift_rows_right(storage: torch.Tensor, groups: list[tuple[int, torch.Tensor]], length: int, fill=None
+                      ) -> torch.Tensor:
+    """The first ``length`` slots (dim 2 of K/V [B, H, N, D], dim 1 of a mask [B, N]) with the rows of each
+    ``(shift, rows)`` group moved right by ``shift`` slots, in place: the slots coming in at the front keep what they
+    held (``fill`` if given). Only the rows that move are copied, one group of rows at a time; the storage is the
+    layer's own (``DynamicCache.update`` builds a new one each forward)."""
+    time_dim = 1 if storage.dim() == 2 else 2
+    out = storage.narrow(time_dim, 0, length)
+    for shift, rows in groups:
+        moved = storage.index_select(0, rows).narrow(time_dim, 0, length - shift)  # a copy: source and target overlap
+        if time_dim == 1:
+            out[rows, shift:] = moved
+            if fill is not None:
+                out[rows, :shift] = fill
+        else:
+            out[rows, :, shift:] = moved
+    return out
 
 
-def rollback_rows(cache, attention_mask: torch.Tensor, rejected: torch.Tensor, common: int, ragged: bool
-                  ) -> torch.Tensor:
+def _conv_taps(kernel: int, inputs: int, rejected: torch.Tensor) -> torch.Tensor:
+    """[B, 1, kernel]: the indices of each sequence's ``kernel`` conv inputs ending ``rejected[b]`` before the end of
+    a state holding ``inputs`` inputs."""
+    start = inputs - kernel - rejected  # [B]: the first input of each sequence's state
+    return (start[:, None] + torch.arange(kernel, device=rejected.device)[None, :])[:, None, :]
+
+
+def rollback_rows(cache, attention_mask: torch.Tensor, rejected: list[int]) -> torch.Tensor:
     """Drop each sequence's last ``rejected[b]`` slots from ``cache`` (a recording Inkling ``DynamicCache`` just after
     a verify forward) and return the attention mask that goes with it.
 
-    ``common`` is ``min(rejected)`` (host int), ``ragged`` whether any row rejected more (host bool: without it the
-    rollback is the batch-wide crop). ``attention_mask`` [B, N] covers the verified rows; the result is [B, N - common].
+    ``attention_mask`` [B, N] covers the verified rows; the result is [B, N - min(rejected)]. When every sequence
+    rejected the same count this is the batch-wide crop; otherwise the sequences that rejected more move right.
     """
-    extra = rejected - common  # [B]: slots each sequence moves right
+    common = min(rejected)
     length = attention_mask.shape[1] - common
+    device = attention_mask.device
+    groups = [(shift, torch.tensor([b for b, r in enumerate(rejected) if r - common == shift], device=device))
+              for shift in sorted({r - common for r in rejected} - {0})]  # rows moving right by the same count
+    rejected_t = torch.tensor(rejected, device=device) if groups else None
+    taps = {}  # (kernel, inputs) -> indices, shared by the states of that shape
     for layer in _conv_layers(cache):
         for index, state in layer.conv_states.items():
             if state is None:
                 continue
-            kernel, end = layer.conv_kernel_size[index], state.shape[-1] - common
-            if not ragged:
-                layer.conv_states[index] = state[..., end - kernel:end]
+            kernel, inputs = layer.conv_kernel_size[index], state.shape[-1]
+            if not groups:
+                layer.conv_states[index] = state[..., inputs - common - kernel:inputs - common]
                 continue
-            start = state.shape[-1] - kernel - rejected  # [B]: the first input of each sequence's state
-            taps = (start[:, None] + torch.arange(kernel, device=state.device)[None, :])[:, None, :]
-            layer.conv_states[index] = state.gather(-1, taps.expand(-1, state.shape[1], -1))
+            if (kernel, inputs) not in taps:
+                taps[kernel, inputs] = _conv_taps(kernel, inputs, rejected_t)
+            layer.conv_states[index] = state.gather(-1, taps[kernel, inputs].expand(-1, state.shape[1], -1))
     for layer in cache.layers:
         keys = getattr(layer, "keys", None)
         if keys is None or keys.dim() != 4:
             continue
         kept = keys.shape[2] - common
-        if ragged:
-            layer.keys = _shift_right(keys, extra, kept, dim=2)
-            layer.values = _shift_right(layer.values, extra, kept, dim=2)
-        elif common:
-            layer.keys, layer.values = keys[:, :, :kept], layer.values[:, :, :kept]
+        layer.keys = _shift_rows_right(keys, groups, kept)
+        layer.values = _shift_rows_right(layer.values, groups, kept)
         if getattr(layer, "is_sliding", False):
             layer.cumulative_length -= common
             working = layer.sliding_window - 1
             if layer.keys.shape[2] > working:
                 layer.keys, layer.values = layer.keys[:, :, -working:], layer.values[:, :, -working:]
-    if not ragged:
-        return attention_mask[:, :length]
-    shifted = _shift_right(attention_mask, extra, length, dim=1)
-    front = torch.arange(length, device=attention_mask.device)[None, :] < extra[:, None]
-    return shifted.masked_fill(front, 0)
+    return _shift_rows_right(attention_mask.clone() if groups else attention_mask, groups, length, fill=0)
 
 
 def select_rows(cache, index: torch.Tensor) -> None:

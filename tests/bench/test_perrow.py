@@ -10,7 +10,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_perrow_figures_and_table():
-    cfg = PerRowConfig(batches=(1, 2), ks=(1, 2), prompt_len=6, new_tokens=5, compile=False)
+    cfg = PerRowConfig(batches=(1, 2), ks=(1, 2), prompt_len=6, new_tokens=5, compile=False, contexts=(16,))
     result = run_perrow(cached_checkpoint("tiny8"), cfg)
     assert set(result["ks"]) == {1, 2} and set(result["target"]) == {1, 2}
     for k, entry in result["ks"].items():
@@ -24,4 +24,5 @@ def test_perrow_figures_and_table():
         # batch 1 has one row: lockstep and per row are the same run
         assert entry[1]["lockstep"]["tokens_per_forward"] == entry[1]["per_row"]["tokens_per_forward"]
     table = format_table(result)
-    assert len(table.splitlines()) == 2 + 4 and "per-row vs lockstep" in table
+    assert result["rollback_vs_context"][0]["rollback_ms"] > 0 and result["rollback_vs_context"][0]["context"] == 16
+    assert len(table.splitlines()) == 2 + 4 + 1 and "per-row vs lockstep" in table

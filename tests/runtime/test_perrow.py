@@ -92,9 +92,9 @@ def test_each_rows_cache_equals_running_that_row_alone(dense_target, monkeypatch
     snapshots, alive = [], []  # alive: the batch rows the target cache holds, in its order
     original_rollback, original_select = target_cache.rollback_rows, target_cache.select_rows
 
-    def rollback(cache, attention_mask, rejected, common, ragged):
-        mask = original_rollback(cache, attention_mask, rejected, common, ragged)
-        snapshots.append((ragged, mask.clone(), snapshot(cache), alive[:]))
+    def rollback(cache, attention_mask, rejected):
+        mask = original_rollback(cache, attention_mask, rejected)
+        snapshots.append((len(set(rejected)) > 1, mask.clone(), snapshot(cache), alive[:]))
         return mask
 
     def select(cache, index):  # finished rows drop out of the target's batch
@@ -130,10 +130,17 @@ def test_masking_rejected_slots_in_place_is_not_enough(target, monkeypatch):
     Inkling's relative bias and window read; the output then leaves the target's greedy continuation."""
     original = target_cache.rollback_rows
 
-    def holes(cache, attention_mask, rejected, common, ragged):
-        mask = original(cache, attention_mask, rejected, common, ragged=False)  # batch-wide crop, per-row convs
-        columns = torch.arange(mask.shape[1])[None, :]
-        return mask.masked_fill(columns >= mask.shape[1] - (rejected - common)[:, None], 0)
+    def holes(cache, attention_mask, rejected):
+        original(_ConvOnly(cache), attention_mask, rejected)  # conv states per row, as the real rollback does
+        conv_states = [layer.conv_states for layer in cache.layers]
+        for layer in cache.layers:
+            layer.conv_states = {}
+        common = min(rejected)
+        mask = original(cache, attention_mask, [common] * len(rejected))  # K/V: the batch-wide crop only
+        for layer, states in zip(cache.layers, conv_states):
+            layer.conv_states = states
+        extra = torch.tensor(rejected)[:, None] - common  # each row's rejected slots left in place, masked
+        return mask.masked_fill(torch.arange(mask.shape[1])[None, :] >= mask.shape[1] - extra, 0)
 
     prompts = [list(range(10, 21)), list(range(30, 44)), list(range(50, 59))]
     ids, mask = left_pad(prompts)
@@ -142,3 +149,11 @@ def test_masking_rejected_slots_in_place_is_not_enough(target, monkeypatch):
     drafter = KStandInDrafter(3, 120, max_length=96, oracle=oracle_from(reference, mask), wrong=per_row_wrong)
     out = speculative_generate(target, drafter, ids, mask, max_new_tokens=16)
     assert not torch.equal(out.sequences, reference)
+
+
+class _ConvOnly:
+    """A cache's conv states alone (the same dicts), so that a rollback of it touches nothing else."""
+
+    def __init__(self, cache):
+        self.layers = [type("ConvStates", (), {"conv_states": layer.conv_states,
+                                              "conv_kernel_size": layer.conv_kernel_size})() for layer in cache.layers]
