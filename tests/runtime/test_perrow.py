@@ -157,3 +157,29 @@ class _ConvOnly:
     def __init__(self, cache):
         self.layers = [type("ConvStates", (), {"conv_states": layer.conv_states,
                                               "conv_kernel_size": layer.conv_kernel_size})() for layer in cache.layers]
+
+
+@pytest.fixture(scope="module")
+def log_scaled_target():
+    """The tiny target with full layers' log scaling from position 4 on (``log_scaling_n_floor``), strong enough
+    that the query's storage index changes the greedy tokens."""
+    target = make_target(mlp=("dense", "dense"), seed=1)
+    target.config.log_scaling_n_floor, target.config.log_scaling_alpha = 4, 2.0
+    return target
+
+
+def test_log_scaling_keeps_lockstep_and_stays_lossless(log_scaled_target, monkeypatch):
+    """Log scaling reads the query's storage index, which the slots a per-row rollback shifts in would move: with
+    a floor the storage can reach, the loop keeps lockstep and still gives ``generate``'s tokens; rolling anyway
+    would not."""
+    prompts = [list(range(10, 21)), list(range(30, 34)), list(range(50, 59))]
+    out = _run(log_scaled_target, 3, prompts, 16, lockstep=True)
+    ids, mask = left_pad(prompts)
+    reference = log_scaled_target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    drafter = KStandInDrafter(3, 120, max_length=96, oracle=oracle_from(reference, mask), wrong=per_row_wrong)
+    assert torch.equal(speculative_generate(log_scaled_target, drafter, ids, mask, max_new_tokens=16).sequences,
+                       out.sequences)
+    monkeypatch.setattr(speculative, "_storage_may_reach_log_scaling", lambda *args: False)
+    drafter = KStandInDrafter(3, 120, max_length=96, oracle=oracle_from(reference, mask), wrong=per_row_wrong)
+    rolled = speculative_generate(log_scaled_target, drafter, ids, mask, max_new_tokens=16)
+    assert not torch.equal(rolled.sequences, reference)
