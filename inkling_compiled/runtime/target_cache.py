@@ -9,9 +9,10 @@ front, exactly like left padding (the attention mask gets zeros there):
 * **Why roll, not holes.** Inkling's attention builds its relative bias, its sliding window and its causal order
   from *storage* distances (the key's index in the cache against the query's), not from token positions. Masking the
   rejected slots where they are would leave holes between a sequence's kept tokens and the next round's rows, so
-  every later query would see its earlier tokens one hole too far (measured: up to 3.9 logits off). Rolled right, a
-  sequence's kept tokens stay contiguous and end at the storage frontier, as if it had been run alone with more
-  left padding; masked slots at the front are what left-padded ``generate`` already handles.
+  every later query would see its earlier tokens one hole too far (the output then leaves the target's greedy
+  continuation: tests/runtime/test_perrow.py). Rolled right, a sequence's kept tokens stay contiguous and end at
+  the storage frontier, as if it had been run alone with more left padding; masked slots at the front are what
+  left-padded ``generate`` already handles.
 * **Full-attention layers**: in keys and values ``[B, H, N, D]`` each moving row's slot j takes slot ``j - e_b``
   (in place; the slots shifted in at the front keep stale values, finite and masked).
 * **Sliding layers** (recording their past since the prefill) hold the last ``W - 1`` slots plus the verified rows;
@@ -23,9 +24,9 @@ front, exactly like left padding (the attention mask gets zeros there):
 Cost, per round: a copy of the moving rows' K/V in every layer (at most what ``DynamicCache.update`` already copies
 once per forward with its ``torch.cat``), nothing when every sequence rejected the same count (then it is the plain
 crop); ``bench/RESULTS.md`` has the measured figures against the target forward. The per-row counts come to the
-host with the round's one sync. The query's own storage index enters only
-full layers' log scaling (``log_scaling_n_floor``), which the rolled-in slots would shift: the loop checks that the
-storage cannot reach that floor before it rolls.
+host with the round's one sync. The query's own storage index enters only full layers' log scaling
+(``log_scaling_n_floor``), which the rolled-in slots would shift: the loop checks that the storage cannot reach
+that floor before it rolls.
 """
 
 from __future__ import annotations

@@ -430,6 +430,7 @@ class ExplodingDrafter(StandInDrafter):
     (dict(mask_value=0.5), "attention_mask must contain only 0 and 1"),
     (dict(eos=3, pad=-1), r"pad_token_id must be a token id in \[0, 128\) \(finished rows feed it to the target\)"),
     (dict(eos=3, pad=128), r"pad_token_id must be a token id in \[0, 128\)"),
+    (dict(lockstep=1), "lockstep must be a bool, got 1"),
 ])
 def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, match):
     def boom(*args, **kwargs):
@@ -454,7 +455,7 @@ def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, mat
         speculative_generate(target, drafter, ids, mask, max_new_tokens=case.get("max_new_tokens", 3),
                              temperature=case.get("temperature", 0.0), top_p=case.get("top_p", 1.0),
                              generator=case.get("generator"), eos_token_id=case.get("eos"),
-                             pad_token_id=case.get("pad"))
+                             pad_token_id=case.get("pad"), lockstep=case.get("lockstep", False))
 
 
 @pytest.mark.parametrize("overrides,match", [
