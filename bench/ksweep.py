@@ -6,11 +6,11 @@ checkpoint's depths allow, from one run,
 * end to end: greedy batch-1 tokens/s of ``speculative_generate`` with a compiled K-depth drafter, its speed-up over
   the target alone (``target.generate(do_sample=False)``) and over transformers' ``generate(use_mtp=True)`` (every
   depth of its ``MtpModel``, batch 1), ``mean_accepted_length`` and ``acceptance_per_position`` (docs/protocol.md
-  §6.8), whether the tokens equal the target's; and the same for one left-padded batch of 4 (``batch4``), whose
-  mean accepted length against ``per_sequence_accepted_length`` (``1 + sum(acceptance_per_position)``: what each
-  sequence accepted on its own) is the lockstep cost. The batch of 4 runs an eager drafter unless
-  ``batch4_compiled`` (its compiled graphs are as many again as batch 1's: minutes of compile on a 2-core CPU; the
-  acceptance figures are the same either way);
+  §6.8), whether the tokens equal the target's; and the same for one left-padded batch of 4 (``batch4``; each row
+  advances by its own accepted length, so its mean accepted length stays that of the rows on their own,
+  ``per_sequence_accepted_length``; ``bench.perrow`` compares with lockstep). The batch of 4 runs an eager drafter
+  unless ``batch4_compiled`` (its compiled graphs are as many again as batch 1's: minutes of compile on a 2-core
+  CPU; the acceptance figures are the same either way);
 * ``draft_round_ms``: draft-round latency of the compiled drafter (``Drafter.draft`` on one new verified row, the
   K-row window after a rejection, positions advancing), batch 1 (and 4 with ``batch4_compiled``), wall ms, with the
   median thread-CPU ms beside it (one intra-op thread: the work itself, without the time another process held the
@@ -49,13 +49,13 @@ import torch
 from .timing import Stats
 
 PROBE_PREFIX = "KSWEEP_PROBE: "
-LOCKSTEP_BATCH = 4
+PADDED_BATCH = 4
 
 
 @dataclass
 class KSweepConfig:
     ks: tuple[int, ...] = (1, 2, 4, 8)
-    prompts: int = 4  # batch-1 prompts; the batch of LOCKSTEP_BATCH takes the first ones
+    prompts: int = 4  # batch-1 prompts; the batch of PADDED_BATCH takes the first ones
     prompt_len: int = 8
     new_tokens: int = 64
     latency_rounds: int = 200
@@ -155,7 +155,7 @@ def _acceptance(outputs) -> dict:
     per_position = [sum(sum(r[j] for r in o.accepted_per_position_per_round) for o in outputs) / rows
                     for j in range(k)]
     rounds = sum(o.num_rounds for o in outputs)
-    return {"mean_accepted_length": sum(sum(o.emitted_per_round) for o in outputs) / rounds,
+    return {"mean_accepted_length": sum(sum(o.emitted_per_round) for o in outputs) / rows,  # per (row, round)
             "acceptance_per_position": per_position, "per_sequence_accepted_length": 1 + sum(per_position),
             "rounds": rounds}
 
@@ -170,10 +170,10 @@ def hf_acceptance(rounds: list[list[int]], depths: int) -> tuple[list[float], fl
     return per_position, 1 + sum(r[1] for r in drafting) / len(drafting)
 
 
-def lockstep_batch(prompts: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first :data:`LOCKSTEP_BATCH` prompts as one left-padded batch: row b loses its first b tokens to
+def left_padded_batch(prompts: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first :data:`PADDED_BATCH` prompts as one left-padded batch: row b loses its first b tokens to
     padding, so the sequences have different lengths."""
-    ids = prompts[:LOCKSTEP_BATCH].clone()
+    ids = prompts[:PADDED_BATCH].clone()
     mask = torch.ones_like(ids)
     for b in range(1, ids.shape[0]):
         ids[b, :b], mask[b, :b] = pad_token_id, 0
@@ -209,11 +209,11 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
     ks = tuple(k for k in cfg.ks if k <= mtp.config.num_depths)
     if not ks:
         raise ValueError(f"none of K = {cfg.ks} fits the checkpoint's {mtp.config.num_depths} MTP depth(s)")
-    count = max(cfg.prompts, LOCKSTEP_BATCH)
+    count = max(cfg.prompts, PADDED_BATCH)
     prompts = prompt_batch(prompts, count, cfg.prompt_len, mtp.config.logits_vocab_size, cfg.seed)
     singles = [prompts[i:i + 1] for i in range(cfg.prompts)]
     pad = target.generation_config.pad_token_id or 0
-    batch_ids, batch_mask = lockstep_batch(prompts, pad)
+    batch_ids, batch_mask = left_padded_batch(prompts, pad)
     gconfig = greedy_generation_config(target, cfg.new_tokens)
     gconfig_mtp = greedy_generation_config(target, cfg.new_tokens)
     gconfig_mtp.use_mtp = True
@@ -231,7 +231,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
 
     drafters = {k: Drafter(mtp, 1, max_length, num_speculative_tokens=k, compile=cfg.compiled) for k in ks}
     batch4_compiled = cfg.compiled and cfg.batch4_compiled
-    batch_drafters = {k: Drafter(mtp, LOCKSTEP_BATCH, max_length, num_speculative_tokens=k,
+    batch_drafters = {k: Drafter(mtp, PADDED_BATCH, max_length, num_speculative_tokens=k,
                                  compile=batch4_compiled) for k in ks}
     compile_s = {}
     with torch.no_grad():
@@ -242,7 +242,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             hf_mtp(singles[0])
         for k, drafter in drafters.items():
             progress(f"ksweep: K={k} warm-up (compiles the decode and prefill windows, batch 1"
-                     + (f" and {LOCKSTEP_BATCH})" if batch4_compiled else ")"))
+                     + (f" and {PADDED_BATCH})" if batch4_compiled else ")"))
             t0 = time.perf_counter()
             speculative_generate(target, drafter, singles[0], max_new_tokens=cfg.new_tokens)
             compile_s[k] = time.perf_counter() - t0
@@ -265,7 +265,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
                 seconds[k] += t
                 outputs[k].append(out)
                 same[k] &= torch.equal(out.sequences, reference[i])
-        progress(f"ksweep: one left-padded batch of {LOCKSTEP_BATCH}, every K "
+        progress(f"ksweep: one left-padded batch of {PADDED_BATCH}, every K "
                  f"({'compiled' if batch4_compiled else 'eager'} drafters)")
         _, batch_target_s = _timed(lambda: target_alone(batch_ids, batch_mask))
         batched = {}
@@ -278,11 +278,11 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             rounds_ms[k] = {"1": round_latency(drafters[k], 1, 1, cfg.latency_rounds, cfg.seed),
                             "all": round_latency(drafters[k], 1, k + 1, cfg.latency_rounds, cfg.seed)}
             if batch4_compiled:
-                rounds_ms[k][str(LOCKSTEP_BATCH)] = round_latency(batch_drafters[k], LOCKSTEP_BATCH, 1,
+                rounds_ms[k][str(PADDED_BATCH)] = round_latency(batch_drafters[k], PADDED_BATCH, 1,
                                                                   cfg.latency_rounds, cfg.seed)
 
     tokens = len(singles) * cfg.new_tokens
-    batch_tokens = LOCKSTEP_BATCH * cfg.new_tokens
+    batch_tokens = PADDED_BATCH * cfg.new_tokens
     result = {"checkpoint": str(checkpoint), "device": "cpu", "prompts": len(singles),
               "prompt_len": prompts.shape[1], "new_tokens": cfg.new_tokens,
               "target_tokens_per_s": tokens / seconds["target"],
@@ -299,7 +299,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
         hf_speedup = {k: seconds["hf_mtp"] / seconds[k] for k in ks}
     for k in ks:
         pooled, (out, t) = _acceptance(outputs[k]), batched[k]
-        lockstep = _acceptance([out])
+        batched = _acceptance([out])
         result["ours"][str(k)] = {
             "k": k, "tokens_per_s": tokens / seconds[k], "speedup_vs_target": seconds["target"] / seconds[k],
             "speedup_vs_hf_mtp": hf_speedup.get(k), "mean_accepted_length": pooled["mean_accepted_length"],
@@ -309,9 +309,9 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             "draft_round_all_accepted_ms": rounds_ms[k]["all"][0], "compile_s": compile_s[k], "cold_compile": None,
             "batch4": {"compiled": batch4_compiled, "tokens_per_s": batch_tokens / t,
                        "speedup_vs_target": batch_target_s / t,
-                       "mean_accepted_length": lockstep["mean_accepted_length"],
-                       "acceptance_per_position": lockstep["acceptance_per_position"],
-                       "per_sequence_accepted_length": lockstep["per_sequence_accepted_length"],
+                       "mean_accepted_length": batched["mean_accepted_length"],
+                       "acceptance_per_position": batched["acceptance_per_position"],
+                       "per_sequence_accepted_length": batched["per_sequence_accepted_length"],
                        "outputs_match_target": torch.equal(out.sequences, batch_reference)}}
     if cfg.cold_compile:
         probed = cfg.ks if cfg.cold_compile_every_k else sorted({min(cfg.ks), max(cfg.ks)})
@@ -341,16 +341,16 @@ def format_lines(depths: dict) -> list[str]:
     """The sweep as plain-text rows (one per K) next to the baselines."""
     hf = depths.get("hf_mtp")
     lines = [f"K sweep ({depths.get('target', depths['checkpoint'])}; greedy, {depths['prompts']} prompt(s) x "
-             f"{depths['new_tokens']} new tokens, batch 1, and one left-padded batch of {LOCKSTEP_BATCH})",
+             f"{depths['new_tokens']} new tokens, batch 1, and one left-padded batch of {PADDED_BATCH})",
              f"  target alone (target.generate): {depths['target_tokens_per_s']:.1f} tok/s batch 1, "
-             f"{depths.get('batch4_target_tokens_per_s') or 0:.1f} tok/s batch {LOCKSTEP_BATCH}"
+             f"{depths.get('batch4_target_tokens_per_s') or 0:.1f} tok/s batch {PADDED_BATCH}"
              + (f"; transformers generate(use_mtp=True, {hf['k']} depths): {hf['tokens_per_s']:.1f} tok/s, "
                 f"{hf['mean_accepted_length']:.2f} tok/round, per position "
                 f"{' '.join(f'{a:.2f}' for a in hf['acceptance_per_position'])}" if hf else "")]
     compiled = next((p["batch4"]["compiled"] for p in depths["ours"].values() if p.get("batch4")), None)
     rows = [["K", "tok/s", "vs target", "vs hf", "accepted len", "acceptance per position", "same",
-             f"b{LOCKSTEP_BATCH} tok/s" + {True: " (compiled)", False: " (eager)"}.get(compiled, ""), "vs target",
-             "len (lockstep / per seq)", "same"]]
+             f"b{PADDED_BATCH} tok/s" + {True: " (compiled)", False: " (eager)"}.get(compiled, ""), "vs target",
+             "len (batch / per seq)", "same"]]
     for point in depths["ours"].values():
         b4 = point.get("batch4") or {}
         vs_hf = point.get("speedup_vs_hf_mtp")
@@ -362,13 +362,13 @@ def format_lines(depths: dict) -> list[str]:
                      f"{b4['mean_accepted_length']:.2f} / {b4['per_sequence_accepted_length']:.2f}" if b4 else "-",
                      ("yes" if b4["outputs_match_target"] else "NO") if b4 else "-"])
     lines += _aligned(rows)
-    rows = [["K", "draft round ms b1 (cpu)", f"b{LOCKSTEP_BATCH} (cpu)", "b1 all accepted", "first calls s",
+    rows = [["K", "draft round ms b1 (cpu)", f"b{PADDED_BATCH} (cpu)", "b1 all accepted", "first calls s",
              "cold compile cpu s (wall)", "x first K", "graphs", "recompiles / 64 rounds"]]
     for point in depths["ours"].values():
         r, cpu = point["draft_round_ms"], point.get("draft_round_cpu_ms") or {}
         allacc, cold = point.get("draft_round_all_accepted_ms"), point.get("cold_compile") or {}
         ms = [f"{r[b]['median_ms']:.2f} ({cpu[b]:.2f})" if b in r and b in cpu else "-"
-              for b in ("1", str(LOCKSTEP_BATCH))]
+              for b in ("1", str(PADDED_BATCH))]
         if "error" in cold:
             compiled = ["FAILED", "-", "-", "-"]
         elif cold:

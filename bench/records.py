@@ -300,16 +300,15 @@ class ColdCompile(TypedDict):
     recompiles_over_64_rounds: int  # at advancing positions, every accepted count
 
 
-class Lockstep(TypedDict):
-    """One left-padded batch of 4 prompts generated together (rows advance by the batch's smallest accepted
-    length)."""
+class PaddedBatch(TypedDict):
+    """One left-padded batch of 4 prompts generated together (each row advances by its own accepted length)."""
 
     compiled: bool  # the drafter compiled (else eager: same tokens, its own speed)
     tokens_per_s: float
     speedup_vs_target: float  # over target.generate on the same batch
-    mean_accepted_length: float  # tokens per sequence per target forward, lockstep
-    acceptance_per_position: list[float]  # each row's own accepted prefix, before the lockstep cut
-    per_sequence_accepted_length: float  # 1 + sum(acceptance_per_position): what a row would get on its own
+    mean_accepted_length: float  # tokens per (sequence, target forward)
+    acceptance_per_position: list[float]  # over (row, round) pairs
+    per_sequence_accepted_length: float  # 1 + sum(acceptance_per_position): equal to the above up to truncation
     outputs_match_target: bool
 
 
@@ -329,7 +328,7 @@ class DepthPoint(TypedDict):
     draft_round_cpu_ms: NotRequired[dict[str, float]]  # median thread-CPU ms of those rounds, by batch size
     draft_round_all_accepted_ms: NotRequired[Stats | None]  # batch 1, the K + 1-row window (every draft accepted)
     cold_compile: NotRequired[ColdCompile | Failed | None]
-    batch4: NotRequired[Lockstep | None]
+    batch4: NotRequired[PaddedBatch | None]
 
 
 class Depths(TypedDict):

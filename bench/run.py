@@ -23,7 +23,7 @@ batch 1, context 64):
   ``generate(use_mtp=True)``; ``--e2e-target synthetic`` runs it on the self-distilled random ``tiny8`` target;
 * depths (the K sweep, ``bench.ksweep``) on the same target and prompts: for K = 1, 2, 4, 8 tokens/s, speed-up vs
   the target alone and vs ``generate(use_mtp=True)``, mean accepted length and acceptance per position, batch 1
-  and a left-padded batch of 4 (the lockstep cost; an eager drafter unless ``--full-sweep``), draft-round latency
+  and a left-padded batch of 4 (per-row acceptance; an eager drafter unless ``--full-sweep``), draft-round latency
   (batch 1; and 4 with ``--full-sweep``) and, each K in a fresh subprocess (the smallest and largest K; every K
   with ``--full-sweep``), the cold compile of its drafter (CPU
   seconds, ratio to K = 1, recompiles over 64 rounds).

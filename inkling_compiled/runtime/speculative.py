@@ -16,51 +16,52 @@
   bonus token at ``F+K+1`` when all K were accepted). Sampling: standard speculative sampling token by token, draft
   ``d_j`` accepted with probability ``min(1, p_j(d_j) / q_j(d_j))`` against the distribution ``q_j`` of the depth that
   drafted it, the first rejection replaced by a sample of ``normalize(max(0, p_j - q_j))``, the bonus token drawn from
-  ``p`` at ``F+K`` when all K were accepted. Afterwards the target's cache is rolled back over the rejected rows:
-  ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and the short-conv states
-  keep their history until ``cache.crop(-n)`` drops the last ``n`` rows (``crop(0)`` just trims them back to their
-  working size). The drafter is fed the verified rows (rows ``F..F+a`` with the committed tokens ``x_{F+1}..x_{F+a+1}``
-  and the target hiddens of those rows); it re-runs its own stale rows (docs/protocol.md §6.5).
+  ``p`` at ``F+K`` when all K were accepted. Each row then keeps its own ``a_b + 1`` tokens. The target's cache is
+  rolled back per row over the rejected rows (:func:`~inkling_compiled.runtime.target_cache.rollback_rows`:
+  ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and the short-conv
+  states keep the verified rows until the rollback; a row that rejected more than the others has its kept slots
+  moved right and the freed ones masked like left padding, docs/protocol.md §6.9). The drafter is fed each row's
+  verified rows (rows ``F_b..F_b+a_b`` with the committed tokens and the target hiddens of those rows, padding after
+  them; none for a finished row); it re-runs its own stale rows (docs/protocol.md §6.5).
 
-Lockstep batching and why it is lossless
-----------------------------------------
-All sequences of a batch advance together (one cache, one crop length). In a round, every unfinished row ``b``
-decides its own accepted count ``a_b`` (0..K) from its own drafts; the batch keeps ``a = min_b a_b`` (finished rows do
-not count) and every row emits ``a + 1`` tokens for positions ``F+1..F+a+1``: its drafts ``d_1..d_a`` and then, at
-``F+a+1``, ``d_{a+1}`` for a row that accepted it, else the row's own correction (greedy: the target's argmax;
-sampling: the residual sample), or the bonus token when ``a = K``. The other tokens of the round are dropped and the
-cache is cropped to the ``a + 1`` kept rows for the whole batch; rows that had accepted more drafts recompute them in
-the next round.
+Per-row acceptance and why it is lossless
+-----------------------------------------
+Every row is its own speculative-decoding run: in a round, unfinished row ``b`` decides its accepted count ``a_b``
+(0..K) from its own drafts and randomness and emits ``a_b + 1`` tokens for positions ``F_b+1..F_b+a_b+1``: its
+drafts ``d_1..d_{a_b}``, then its correction (greedy: the target's argmax; sampling: the residual sample) or, when
+``a_b = K``, the bonus token. Rows share the target forward only: each row's verify rows see exactly its own
+committed tokens (the rollback leaves a row's cache equal to running that row alone, up to GEMM rounding), so
 
-* Greedy: every emitted token is the target's argmax given exactly the committed prefix of its row (the verify rows
-  up to ``F+a`` see only committed tokens: the drafts the row accepted), so the output equals greedy ``generate`` up
-  to floating-point differences between a (K+1)-row and a 1-row forward.
+* Greedy: every emitted token is the target's argmax given exactly the committed prefix of its row; the output
+  equals greedy ``generate`` up to floating-point differences between a (K+1)-row and a 1-row forward.
 * Sampling: for one row, speculative sampling has the property that, given the tokens emitted before position
   ``F+j`` and that position ``F+j`` is reached, its token has law ``p(. | prefix)`` whatever ``q_j`` is
   (``P(x) = min(p, q)(x) + (1 - sum min(p, q)) * normalize(max(0, p - q))(x) = p(x)``; ``q_j`` is drawn given the
-  previous drafts, which are the emitted tokens). Whether the row goes on to position ``F+j+1`` depends only on its
-  acceptance coin at ``F+j`` and on ``a``, i.e. on other rows' independent randomness, never on the value drawn next;
-  a token dropped by the lockstep is drawn afresh from the same conditional law in a later round, and the bonus
-  token is drawn from ``p(. | prefix, d_1..d_K)`` with randomness independent of every acceptance event. Hence each
-  emitted token, conditioned on the row's past and on every scheduling decision made so far, is distributed as the
-  target's next-token distribution: the row's sequence has exactly the law of plain ancestral sampling, and rows are
-  independent given their prompts. Other rows only change *when* a token is drawn, never *from what*.
+  previous drafts, which are the emitted tokens), and the bonus token is drawn from ``p(. | prefix, d_1..d_K)``.
+  Each row's sequence therefore has exactly the law of plain ancestral sampling. Other rows draw from the same
+  generator but never change a row's laws, its window or its cache: rows are independent given their prompts.
 
-What lockstep costs: a round emits ``a + 1`` columns where a row on its own would have emitted ``a_b + 1``;
-``SpeculativeOutput.mean_accepted_length`` is the former, ``1 + sum(acceptance_per_position)`` the latter (they agree
-for batch 1).
+``lockstep=True`` (the benchmark's baseline) keeps the batch together instead: every row emits
+``a + 1`` tokens with ``a = min_b a_b`` over the unfinished rows, the rest of the round is dropped and drawn afresh
+later. That is lossless too (another row's acceptance only decides *whether* a token already drawn from its
+conditional law is kept, never *what* is drawn), but a batch then accepts as little as its least lucky row. The loop
+also keeps lockstep when a target query's storage index could reach the target's ``log_scaling_n_floor``: the slots
+the per-row rollback shifts in would change full layers' log scaling there (docs/protocol.md §6.9).
 
 EOS / length (like ``generate``): once a row emits an EOS id it is finished and later columns hold
-``pad_token_id`` (defaults to the first EOS id, as ``generate`` does); finished rows neither count as drafted nor
-block the batch's acceptance. Generation stops when every row is finished or ``max_new_tokens`` columns were
-emitted; columns past ``max_new_tokens``, or after the column where every row finished, are never emitted. Top-p
+``pad_token_id`` (defaults to the first EOS id, as ``generate`` does); a row that has ``max_new_tokens`` tokens is
+finished too. Finished rows neither count as drafted nor draft (the drafter gets padding rows for them) and drop
+out of the target's batch and cache (:func:`~inkling_compiled.runtime.target_cache.select_rows`). Generation stops
+when every row is finished; the output has as many columns as the longest row, the others padded, so it is
+``generate``'s. Top-p
 applies to the target distribution ``p`` only; ``q`` is whatever the drafter sampled from
 (``softmax(draft_logits / T)`` per depth), which keeps the result lossless (a ``q`` that puts mass outside the top-p
 set only lowers acceptance).
 
 Host syncs: input validation, once, before any model call (the drafter is then called with ``validate=False``),
-and one ``.tolist()`` per round for the accept decision and stopping flags; the per-round statistics stay on the
-device until the end. (transformers' own mask construction adds its own checks inside the target forward.)
+and one ``.tolist()`` per round (each row's kept length, whether it goes on), plus one
+``nonzero`` in a round where rows finished; the per-round statistics stay on the device until the end.
+(transformers' own mask construction adds its own checks inside the target forward.)
 
 Plugging into ``generate(..., use_mtp=True)``
 --------------------------------------------
@@ -91,6 +92,7 @@ from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
 from .drafter import check_generator, check_temperature
+from .target_cache import rollback_rows, select_rows
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
 
@@ -99,16 +101,17 @@ __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
 class SpeculativeOutput:
     """Result of :func:`speculative_generate`.
 
-    ``sequences``: ``[B, L + n]`` (the left-padded prompt followed by the ``n <= max_new_tokens`` new columns).
-    Counts are per unfinished row and round, each row counting the drafts *it* accepted (its longest accepted prefix,
-    before the lockstep cut). ``acceptance_rate`` = accepted drafts / drafted. ``acceptance_per_position[j]`` = the
-    fraction of (row, round) pairs in which draft ``j + 1`` was accepted together with every draft before it (vLLM's
-    per-position acceptance; with K = 1 it is ``[acceptance_rate]``). ``mean_accepted_length`` = new columns emitted by
-    the verify rounds / number of verify rounds (target forwards after the prefill), i.e. tokens per sequence per
-    target forward, the bonus / corrected token included (vLLM's "acceptance length"); for batch 1 it is
-    ``1 + sum(acceptance_per_position)`` up to the final truncation. The prefill's first token is not counted.
-    Per round: ``drafted_per_round`` (K x unfinished rows), ``accepted_per_round`` (their accepted drafts),
-    ``accepted_per_position_per_round`` (K counts: rows whose first j + 1 drafts were accepted), ``emitted_per_round``.
+    ``sequences``: ``[B, L + n]`` (the left-padded prompt followed by the ``n <= max_new_tokens`` new columns, rows
+    that finished early padded). Counts are per unfinished row and round, each row counting the drafts *it* accepted
+    (its longest accepted prefix, before a lockstep cut). ``acceptance_rate`` = accepted drafts / drafted.
+    ``acceptance_per_position[j]`` = the fraction of (row, round) pairs in which draft ``j + 1`` was accepted
+    together with every draft before it (vLLM's per-position acceptance; with K = 1 it is ``[acceptance_rate]``).
+    ``mean_accepted_length`` = tokens the rows emitted in verify rounds / (row, round) pairs, i.e. tokens per
+    sequence per target forward, the bonus / corrected token included (vLLM's "acceptance length"); per row it is
+    ``1 + sum(acceptance_per_position)`` up to the final truncation, with ``lockstep=True`` it is what the batch's
+    cut left. The prefill's first token is not counted. Per round: ``drafted_per_round`` (K x unfinished rows),
+    ``accepted_per_round`` (their accepted drafts), ``accepted_per_position_per_round`` (K counts: rows whose first
+    j + 1 drafts were accepted), ``emitted_per_round`` (tokens the rows emitted, summed over rows).
     """
 
     sequences: torch.LongTensor
@@ -216,12 +219,14 @@ def _as_eos_list(eos_token_id) -> list[int]:
     return [int(v) for v in eos_token_id]
 
 
-def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p, generator
+def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p, generator, lockstep
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check everything before any model call; return (input_ids, attention_mask) as int64 tensors."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     check_temperature(temperature)
+    if not isinstance(lockstep, bool):
+        raise ValueError(f"lockstep must be a bool, got {lockstep!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if (not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point
@@ -291,17 +296,18 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
 def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                          max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                          eos_token_id: int | list[int] | torch.Tensor | None = None, pad_token_id: int | None = None,
-                         generator: torch.Generator | None = None) -> SpeculativeOutput:
+                         generator: torch.Generator | None = None, lockstep: bool = False) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` tokens per sequence with MTP speculative decoding, as many drafts per round
     as the drafter proposes (``Drafter(num_speculative_tokens=K)``; see the module doc).
 
     ``input_ids`` [B, L] is left-padded as described by ``attention_mask`` (1 = real token); ``temperature == 0``
     is greedy (``top_p`` ignored), otherwise tokens follow ``softmax(top_p(logits / temperature))`` exactly.
     ``generator`` (on the target's device) drives every random draw of the loop and is passed to the drafter.
-    Raises ``ValueError`` on bad arguments before any model call.
+    Each sequence advances by its own accepted length; ``lockstep=True`` advances the batch by its shortest one (the
+    benchmark's baseline; same tokens, more rounds). Raises ``ValueError`` on bad arguments before any model call.
     """
     input_ids, attention_mask = _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature,
-                                          top_p, generator)
+                                          top_p, generator, lockstep)
     eos = _as_eos_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
@@ -312,7 +318,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mas
     with torch.no_grad():
         return _run(target, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                     temperature=float(temperature), top_p=float(top_p), eos=eos, pad_token_id=int(pad_token_id),
-                    generator=generator)
+                    generator=generator, lockstep=lockstep)
 
 
 def _proposals(result, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -326,13 +332,12 @@ def _proposals(result, device) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperature, top_p, eos, pad_token_id,
-         generator) -> SpeculativeOutput:
+         generator, lockstep) -> SpeculativeOutput:
     device = input_ids.device
     batch, length = input_ids.shape
     greedy = temperature == 0.0
     draft_temperature = 0.0 if greedy else temperature
     eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
-    pad = torch.full((batch, 1), pad_token_id, dtype=torch.long, device=device)
     # A drafter may run in another dtype than the target (a bf16 / int8 draft head beside an fp32 target, holding its
     # own copy of the shared tensors): it gets the target's hiddens in its own dtype.
     draft_dtype = getattr(getattr(drafter, "model", None), "dtype", None)
@@ -350,11 +355,10 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True, dtype=draft_dtype)
     first = choose(logits[:, -1])
     finished = is_eos(first)
-    emitted = [first[:, None]]
     cache.activate_past_recording()  # after the prefill: only the verify rows need history for the rollback
 
     if max_new_tokens == 1 or (eos_t is not None and bool(finished.all())):  # done: no draft needed
-        return _output(input_ids, emitted, [], [], getattr(drafter, "num_speculative_tokens", 1))
+        return _output(input_ids, first[:, None], [], getattr(drafter, "num_speculative_tokens", 1))
 
     pad_left = length - attention_mask.sum(dim=1)  # [B]
     positions = torch.arange(length, device=device)[None, :] - pad_left[:, None]  # real-token positions, < 0 = pad
@@ -365,21 +369,29 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
                            validate=False)
     drafts, q = _proposals(result, device)
     k = drafts.shape[1]  # drafts per round
-    depth = torch.arange(k, device=device)
-    last = first[:, None]  # x_F, the last committed token (not yet in the target cache)
-    last_pos = positions[:, -1:] + 1  # F per sequence
-    mask = attention_mask
+    lockstep = lockstep or _storage_may_reach_log_scaling(target, length, max_new_tokens, k)
+    columns = torch.arange(k + 1, device=device)
+    # Every row's new tokens at columns 0..count_b - 1 (the rest pad), with room for one round past max_new_tokens.
+    out = torch.full((batch, max_new_tokens + k + 1), pad_token_id, dtype=torch.long, device=device)
+    out[:, 0] = first
+    count = torch.ones(batch, dtype=torch.long, device=device)
+    # Only unfinished rows go on: `rows` are their indices in the batch, and `last` (x_F, not yet in the target
+    # cache), `last_pos` (F), the drafts, `mask` and the target cache hold those rows alone.
+    rows, last, last_pos = torch.arange(batch, device=device), first[:, None], positions[:, -1:] + 1
+    state = (rows, last, last_pos, attention_mask, drafts, q)
+    if eos_t is not None and bool(finished.any()):
+        state = _drop_finished(cache, (~finished).nonzero().squeeze(1), state)
+    rows, last, last_pos, mask, drafts, q = state
 
     stats: list[torch.Tensor] = []
-    emitted_cols: list[int] = []
-    n_new = 1
-    while n_new < max_new_tokens:
+    while True:
         if drafts.shape[1] != k:
             raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, {k} at the prefill")
-        # -- verify [x_F, d_1..d_K] at F..F+K; finished rows verify pad tokens, so their cache holds what they show --
-        verify_ids = torch.cat([last, torch.where(finished[:, None], pad, drafts)], dim=1)
-        mask = torch.cat([mask, mask.new_ones(batch, k + 1)], dim=1)
-        hidden, logits = _target_step(target, verify_ids, mask, cache, last_only=False, dtype=draft_dtype)
+        live = rows.shape[0]
+        # -- verify [x_F, d_1..d_K] at F..F+K ---------------------------------------------------------------------
+        mask = torch.cat([mask, mask.new_ones(live, k + 1)], dim=1)
+        hidden, logits = _target_step(target, torch.cat([last, drafts], dim=1), mask, cache, last_only=False,
+                                      dtype=draft_dtype)
         if greedy:
             tokens = logits.argmax(-1)  # [B, K+1]: the target's token for F+1..F+K+1
             accepted = tokens[:, :k] == drafts
@@ -391,64 +403,92 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
             p = target_distribution(logits, temperature, top_p)
             accepted, tokens = _verify_sampled(p[:, :k], q, drafts, generator)
             tokens = torch.cat([tokens, _sample(p[:, k], generator)[:, None]], dim=1)  # the bonus token last
-        active = ~finished
         accepted_len = accepted.long().cumprod(dim=1).sum(dim=1)  # a_b: the row's longest accepted prefix
-        lockstep = torch.where(finished, k, accepted_len).amin()
-        # column j of `tokens` is d_{j+1} for j < a_b, then the row's correction: every emitted column is valid
-        tokens = torch.where(finished[:, None], pad, tokens)
+        # column j of `tokens` is d_{j+1} for j < a_b, then the row's correction (or bonus): row b keeps a_b + 1
+        keep = accepted_len + 1
+        if lockstep:  # every row keeps as many as the row that accepted the fewest
+            keep = keep.amin().expand(live)
         eos_hit = is_eos(tokens)
-        seen_eos = eos_hit.long().cumsum(dim=1)
-        tokens = torch.where(seen_eos - eos_hit.long() > 0, pad, tokens)  # columns after the row's first EOS
-        finished_after = finished[:, None] | (seen_eos > 0)  # [B, K+1]: finished once column j is emitted
-        prefix = (accepted_len[:, None] > depth) & active[:, None]  # [B, K]
-        stats.append(torch.cat([active.sum()[None] * k, (accepted_len * active).sum()[None], prefix.sum(dim=0)]))
-        # The one host sync of the round: how many columns to keep, after which of them everyone is done.
-        a, *all_done = torch.cat([lockstep[None], finished_after.all(dim=0).long()]).tolist()
-        keep = a + 1
-        done = next((j + 1 for j in range(keep) if all_done[j]), None)
-        emit = min(done or keep, max_new_tokens - n_new)
-        emitted.append(tokens[:, :emit])
-        emitted_cols.append(emit)
-        n_new += emit
-        finished = finished_after[:, emit - 1]
-        if done is not None or n_new >= max_new_tokens:
+        before_eos = eos_hit.long().cumsum(dim=1) - eos_hit.long() == 0  # columns up to the row's first EOS
+        row_count = count[rows]
+        emit = (columns < keep[:, None]) & (columns < (max_new_tokens - row_count)[:, None]) & before_eos
+        emitted = emit.sum(dim=1)
+        out[rows[:, None], row_count[:, None] + columns] = torch.where(emit, tokens, pad_token_id)  # pad past them
+        count.index_add_(0, rows, emitted)
+        going = ~(emit & eos_hit).any(dim=1) & (row_count + emitted < max_new_tokens)
+        prefix = accepted_len[:, None] > columns[:k]  # [B, K]
+        stats.append(torch.cat([accepted_len.new_full((1,), live * k), accepted_len.sum()[None], prefix.sum(dim=0),
+                                emitted.sum()[None]]))
+        # The one host sync of the round: each row's kept length and whether it goes on.
+        values = torch.cat([keep, going.long()]).tolist()
+        kept, goes = values[:live], values[live:]
+        still = sum(goes)
+        if still == 0:
             break
-        # -- roll the target back over the rejected rows, feed the drafter the verified rows ---------------------
-        cache.crop(keep - (k + 1))
-        mask = mask[:, :mask.shape[1] - (k + 1 - keep)]
-        rows_ids = tokens[:, :keep]
-        rows_pos = last_pos + torch.arange(keep, device=device)[None, :]
-        result = drafter.draft(rows_ids, rows_pos, hidden[:, :keep], temperature=draft_temperature,
-                               generator=generator, validate=False)
+        longest = max(n for n, g in zip(kept, goes) if g)
+        # -- roll the target back over each row's rejected rows, feed the drafter each row's verified rows -------
+        # (a row that finished here is cropped like the row that kept the most: it is dropped below anyway)
+        mask = rollback_rows(cache, mask, [k + 1 - (n if g else longest) for n, g in zip(kept, goes)])
+        real = going[:, None] & (columns[:longest] < keep[:, None])
+        rows_ids = torch.where(real, tokens[:, :longest], pad_token_id)
+        rows_pos = torch.where(real, last_pos + columns[:longest], -1)
+        rows_hidden = hidden[:, :longest]
+        if live < batch:  # the drafter's cache rows are the batch's: the rows that dropped out get padding
+            rows_ids, rows_pos, rows_hidden = (_scatter_rows(t, rows, batch, fill) for t, fill in
+                                               ((rows_ids, pad_token_id), (rows_pos, -1), (rows_hidden, 0)))
+        result = drafter.draft(rows_ids, rows_pos, rows_hidden, temperature=draft_temperature, generator=generator,
+                               validate=False)
         drafts, q = _proposals(result, device)
-        last = rows_ids[:, -1:]
-        last_pos = last_pos + keep
+        drafts, q = drafts[rows], None if q is None else q[rows]
+        last, last_pos = tokens.gather(1, (keep - 1)[:, None]), last_pos + keep[:, None]
+        if still < live:  # rows finished this round: they drop out of the target's batch (a host sync, rarely)
+            rows, last, last_pos, mask, drafts, q = _drop_finished(cache, going.nonzero().squeeze(1),
+                                                                   (rows, last, last_pos, mask, drafts, q))
 
-    return _output(input_ids, emitted, stats, emitted_cols, k)
+    return _output(input_ids, out[:, :int(count.max())], stats, k)
 
 
-def _output(input_ids, emitted: list[torch.Tensor], stats: list[torch.Tensor], emitted_cols: list[int], k: int
-            ) -> SpeculativeOutput:
-    sequences = torch.cat([input_ids, *emitted], dim=1)
+def _drop_finished(cache, kept: torch.Tensor, state: tuple) -> tuple:
+    """Keep the rows ``kept`` of the target cache and of the per-row tensors in ``state`` (None stays None)."""
+    select_rows(cache, kept)
+    return tuple(None if t is None else t[kept] for t in state)
+
+
+def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, batch: int, fill) -> torch.Tensor:
+    """``values`` [R, ...] of the batch rows ``rows`` as a [batch, ...] tensor, ``fill`` in the other rows."""
+    full = values.new_full((batch, *values.shape[1:]), fill)
+    full[rows] = values
+    return full
+
+
+def _storage_may_reach_log_scaling(target, length: int, max_new_tokens: int, k: int) -> bool:
+    """Whether a target query's storage index may reach ``log_scaling_n_floor``: the slots that per-row rollback
+    shifts in would then change full layers' log scaling (docs/protocol.md §6.9), so the loop keeps lockstep."""
+    n_floor = getattr(_text_config(target), "log_scaling_n_floor", None)
+    return n_floor is not None and length + (max_new_tokens - 1) * (k + 1) > n_floor
+
+
+def _output(input_ids, new_tokens: torch.Tensor, stats: list[torch.Tensor], k: int) -> SpeculativeOutput:
+    sequences = torch.cat([input_ids, new_tokens], dim=1)
     per_round = torch.stack(stats).tolist() if stats else []
     drafted = [int(r[0]) for r in per_round]
     accepted_counts = [int(r[1]) for r in per_round]
-    per_position = [[int(c) for c in r[2:]] for r in per_round]
+    per_position = [[int(c) for c in r[2:-1]] for r in per_round]
+    emitted = [int(r[-1]) for r in per_round]
     num_drafted, num_accepted = sum(drafted), sum(accepted_counts)
-    rounds = len(per_round)
     drafting_rows = num_drafted // k
     return SpeculativeOutput(
         sequences=sequences,
         num_new_tokens=sequences.shape[1] - input_ids.shape[1],
-        num_rounds=rounds,
+        num_rounds=len(per_round),
         num_drafted=num_drafted,
         num_accepted=num_accepted,
         acceptance_rate=num_accepted / num_drafted if num_drafted else 0.0,
-        mean_accepted_length=sum(emitted_cols) / rounds if rounds else 0.0,
+        mean_accepted_length=sum(emitted) / drafting_rows if drafting_rows else 0.0,
         num_speculative_tokens=k,
         acceptance_per_position=[sum(c) / drafting_rows for c in zip(*per_position)] if drafting_rows else [],
         drafted_per_round=drafted,
         accepted_per_round=accepted_counts,
         accepted_per_position_per_round=per_position,
-        emitted_per_round=emitted_cols,
+        emitted_per_round=emitted,
     )

@@ -5,7 +5,7 @@ conforms to ``bench/records.py`` and whose tokens equal the target's."""
 import pytest
 import torch
 
-from bench.ksweep import KSweepConfig, _acceptance, format_lines, hf_acceptance, lockstep_batch, run_ksweep
+from bench.ksweep import KSweepConfig, _acceptance, format_lines, hf_acceptance, left_padded_batch, run_ksweep
 from bench.records import Depths, problems
 from inkling_compiled.runtime import SpeculativeOutput
 from inkling_compiled.training import text_target as T
@@ -23,10 +23,10 @@ def output(per_round, emitted, rows=1, k=3):
 
 def test_pooled_acceptance_per_position_and_lengths():
     batch1 = output([[1, 1, 0], [0, 0, 0], [1, 1, 1]], [3, 1, 4])
-    batch2 = output([[2, 1, 0]], [1], rows=2)  # lockstep: a row accepted 2 drafts, the other 0 -> one column
+    batch2 = output([[2, 1, 0]], [4], rows=2)  # per row: one row accepted 2 drafts (3 tokens), the other 0 (1)
     pooled = _acceptance([batch1, batch2])
     assert pooled["acceptance_per_position"] == [4 / 5, 3 / 5, 1 / 5]
-    assert pooled["mean_accepted_length"] == 9 / 4 and pooled["rounds"] == 4
+    assert pooled["mean_accepted_length"] == 12 / 5 and pooled["rounds"] == 4  # tokens per (row, round)
     assert abs(pooled["per_sequence_accepted_length"] - (1 + 8 / 5)) < 1e-12
 
 
@@ -36,9 +36,9 @@ def test_transformers_rounds_per_position():
     assert hf_acceptance([], 2) == ([0.0, 0.0], 1.0)
 
 
-def test_lockstep_batch_pads_each_row_more():
+def test_left_padded_batch_pads_each_row_more():
     prompts = torch.arange(30).reshape(5, 6)
-    ids, mask = lockstep_batch(prompts, pad_token_id=99)
+    ids, mask = left_padded_batch(prompts, pad_token_id=99)
     assert mask.tolist() == [[1] * 6, [0] + [1] * 5, [0, 0] + [1] * 4, [0, 0, 0] + [1] * 3]
     assert torch.equal(ids[mask == 1], prompts[:4][mask == 1]) and (ids[mask == 0] == 99).all()
 

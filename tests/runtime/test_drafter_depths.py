@@ -139,6 +139,48 @@ def test_any_padding_layout_drafts_from_the_last_real_row(model):
         torch.testing.assert_close(other.hidden, results[0].hidden, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_ragged_rows_per_sequence_equal_each_sequences_recompute(model, k):
+    """Per-row acceptance: in one call every sequence brings its own number of verified rows (padding after them,
+    a finished sequence none at all) from its own frontier; each sequence's drafts and every depth's cache equal a
+    clean recompute of that sequence alone, over two rounds with different accepted counts per sequence."""
+    batch, length = 4, 40
+    tokens, hidden = committed_stream(length, batch=batch, seed=3)
+    prompts = [6, 9, 4, 7]  # left-padded prefill: the sequences' frontiers differ from the start
+    width = max(prompts)
+    positions = torch.stack([torch.arange(width) - (width - n) for n in prompts])
+    ids = torch.stack([torch.cat([tokens[b, :width - n], tokens[b, 1:n + 1]]) for b, n in enumerate(prompts)])
+    rows = torch.stack([torch.cat([hidden[b, :width - n], hidden[b, :n]]) for b, n in enumerate(prompts)])
+    drafter = Drafter(model, max_batch_size=batch, max_length=64, compile=False, num_speculative_tokens=k)
+    result = drafter.draft(ids, torch.where(positions >= 0, positions, -1), rows)
+    streams = [tokens[b, :n + 1] for b, n in enumerate(prompts)]  # each sequence's committed tokens x_0..x_F
+    for accepted in ([0, k, None, 1 % (k + 1)], [k, 1 % (k + 1), None, 0]):  # None: the sequence has finished
+        keep = [0 if a is None else a + 1 for a in accepted]
+        new_ids = torch.zeros(batch, max(keep), dtype=torch.long)
+        new_pos = torch.full((batch, max(keep)), -1)
+        new_hidden = torch.zeros(batch, max(keep), H)
+        for b, a in enumerate(accepted):
+            if a is None:
+                continue
+            start = len(streams[b]) - 1
+            correction = (result.drafts[b, a] + 1) % VOCAB if a < k else tokens[b, start + a + 1]
+            streams[b] = torch.cat([streams[b], result.drafts[b, :a], correction[None]])
+            new_ids[b, :a + 1] = streams[b][start + 1:]
+            new_pos[b, :a + 1] = torch.arange(start, start + a + 1)
+            new_hidden[b, :a + 1] = hidden[b, start:start + a + 1]
+        result = drafter.draft(new_ids, new_pos, new_hidden, validate=False)  # as the loop calls it
+        for b in range(batch):
+            if accepted[b] is None:
+                continue
+            rows_b = len(streams[b]) - 1
+            drafts, outputs, cache = recompute(model, streams[b][None], hidden[b:b + 1, :rows_b], k)
+            assert torch.equal(result.drafts[b:b + 1], drafts), b
+            torch.testing.assert_close(result.hidden[b], outputs[-1][0, -1], atol=1e-5, rtol=0)
+            for depth in range(k):
+                for got, want in zip(drafter.cache.depths[depth].tensors(), cache.depths[depth].tensors()):
+                    torch.testing.assert_close(got[b, :rows_b], want[0, :rows_b], atol=1e-5, rtol=0)
+
+
 def test_sampled_round_returns_every_depths_distribution(model):
     tokens, hidden = committed_stream(8)
     drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=3)

@@ -24,6 +24,7 @@ from tests.runtime.test_speculative import (
     make_target,
     oracle_from,
     random_prompts,
+    tokens_emitted,
     wrong_pattern,
 )
 
@@ -42,7 +43,7 @@ class KStandInDrafter(StandInDrafter):
     def draft(self, input_ids, positions, hidden, *, temperature=0.0, generator=None, validate=True):
         super().draft(input_ids, positions, hidden, temperature=temperature, generator=generator, validate=validate)
         drafts = []
-        for b, last in enumerate(positions[:, -1].tolist()):
+        for b, last in enumerate(positions.amax(dim=1).tolist()):  # the last real row (ragged windows: padding after)
             row = []
             for p in range(last + 2, last + 2 + self.num_speculative_tokens):
                 token = self.oracle[b].get(p, 3)
@@ -51,25 +52,35 @@ class KStandInDrafter(StandInDrafter):
         return DraftResult(drafts=torch.tensor(drafts), draft_probs=None, hidden=hidden[:, -1])
 
 
-def _greedy_case(target, k, prompts, max_new, rate_mod, eos=None):
-    ids, mask = left_pad(prompts)
-    gen_kwargs = {} if eos is None else dict(eos_token_id=eos, pad_token_id=PAD)
-    reference = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, **gen_kwargs)
-    drafter = KStandInDrafter(k, 120, oracle=oracle_from(reference, mask), wrong=wrong_pattern(rate_mod))
-    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=max_new, eos_token_id=eos,
-                               pad_token_id=PAD if eos is not None else None)
-    assert torch.equal(out.sequences, reference), (k, out.sequences[:, ids.shape[1]:], reference[:, ids.shape[1]:])
-    assert drafter.check_rows(out.sequences, mask, target) > 0 or not drafter.calls
-    # the statistics are consistent with each other
+def check_statistics(out, k, prompt_len, batch, eos=None, lockstep=False):
+    """The statistics agree with each other and with the tokens; per row, a round emits each row's accepted drafts
+    + 1 unless the row finished in it (EOS, or max_new_tokens cut it)."""
     assert out.num_speculative_tokens == k and len(out.acceptance_per_position) == (k if out.num_rounds else 0)
-    assert sum(out.emitted_per_round) + 1 == out.num_new_tokens
+    assert sum(out.emitted_per_round) + batch == sum(tokens_emitted(out, prompt_len, eos))
     assert all(d % k == 0 for d in out.drafted_per_round) and out.num_drafted == sum(out.drafted_per_round)
     assert out.num_accepted == sum(out.accepted_per_round) == sum(map(sum, out.accepted_per_position_per_round))
     rows = out.num_drafted // k
     for j, rate in enumerate(out.acceptance_per_position):
         assert rate == sum(c[j] for c in out.accepted_per_position_per_round) / rows
     assert out.acceptance_per_position == sorted(out.acceptance_per_position, reverse=True)
-    assert out.mean_accepted_length == (sum(out.emitted_per_round) / out.num_rounds if out.num_rounds else 0.0)
+    assert out.mean_accepted_length == (sum(out.emitted_per_round) / rows if rows else 0.0)
+    if not lockstep:
+        rounds = list(zip(out.drafted_per_round, out.accepted_per_round, out.emitted_per_round))
+        for (drafted, accepted, emitted), (drafted_next, _, _) in zip(rounds, rounds[1:]):
+            if drafted_next == drafted:  # no row finished in this round
+                assert emitted == drafted // k + accepted
+
+
+def _greedy_case(target, k, prompts, max_new, rate_mod, eos=None, lockstep=False):
+    ids, mask = left_pad(prompts)
+    gen_kwargs = {} if eos is None else dict(eos_token_id=eos, pad_token_id=PAD)
+    reference = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, **gen_kwargs)
+    drafter = KStandInDrafter(k, 120, oracle=oracle_from(reference, mask), wrong=wrong_pattern(rate_mod))
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=max_new, eos_token_id=eos,
+                               pad_token_id=PAD if eos is not None else None, lockstep=lockstep)
+    assert torch.equal(out.sequences, reference), (k, out.sequences[:, ids.shape[1]:], reference[:, ids.shape[1]:])
+    assert drafter.check_rows(out.sequences, mask, target) > 0 or not drafter.calls
+    check_statistics(out, k, ids.shape[1], len(prompts), eos, lockstep)
     return out
 
 
@@ -95,10 +106,12 @@ def test_greedy_left_padded_batches_match_generate(target, k):
     rng = random.Random(10 + k)
     saw_lockstep_cut = False
     for rate_mod in (0, 5, 7):
-        out = _greedy_case(target, k, random_prompts(rng, 4, 1, 16), 18, rate_mod)
+        prompts = random_prompts(rng, 4, 1, 16)
+        _greedy_case(target, k, prompts, 18, rate_mod)
+        out = _greedy_case(target, k, prompts, 18, rate_mod, lockstep=True)
         # lockstep: in some round a row accepted a draft that the batch then dropped
-        per_row = [a / (d // k) for a, d in zip(out.accepted_per_round, out.drafted_per_round)]
-        saw_lockstep_cut |= any(e < 1 + r for e, r in zip(out.emitted_per_round[:-1], per_row))
+        saw_lockstep_cut |= any(e < d // k + a for d, a, e in zip(out.drafted_per_round, out.accepted_per_round,
+                                                                   out.emitted_per_round[:-1]))
     assert saw_lockstep_cut
 
 
@@ -147,9 +160,10 @@ def exact_laws(target, prompt, n, temperature, top_p):
 
 
 class SamplingDrafter:
-    """K = 3 drafts per round for a batch of one repeated prompt, each drawn from ``q_j`` given the committed tokens
-    and the drafts before it: the target's exact conditional law, mixed half-and-half with a wrong one at the depths
-    in ``mixed`` (so a big lockstep batch still reaches every position: rows all accept at exact depths)."""
+    """K = 3 drafts per round for a batch of one repeated prompt, each drawn from ``q_j`` given the row's committed
+    tokens and the drafts before it: the target's exact conditional law, mixed half-and-half with a wrong one at the
+    depths in ``mixed`` (so a big batch still reaches every position: rows all accept at exact depths). Rows advance
+    by their own accepted lengths, so each keeps its own history."""
 
     num_speculative_tokens = 3
 
@@ -157,42 +171,54 @@ class SamplingDrafter:
         self.laws, self.prompt_len, self.mixed = laws, prompt_len, mixed
         self.max_batch_size, self.max_length = batch, 32
         self.wrong = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(11)).mul(2).softmax(-1)
-        self.committed = torch.zeros(batch, 0, dtype=torch.long)
+        self.committed = [[] for _ in range(batch)]
 
     def draft(self, input_ids, positions, hidden, *, temperature=0.0, generator=None, validate=True):
-        new_rows = positions[0] >= self.prompt_len - 1  # the rows carrying generated tokens (one prompt, no padding)
-        self.committed = torch.cat([self.committed, input_ids[:, new_rows]], dim=1)
-        history, drafts, probs = self.committed, [], []
-        for depth in range(self.num_speculative_tokens):
-            j = history.shape[1]
-            exact = self.laws[j][tuple(history.T)] if j < len(self.laws) else torch.full((len(history), 4), 0.25)
-            q = 0.5 * exact + 0.5 * self.wrong[history[:, -1]] if depth in self.mixed else exact
-            draft = torch.multinomial(q, 1, generator=generator)
-            drafts.append(draft)
-            probs.append(q)
-            history = torch.cat([history, draft], dim=1)
-        return DraftResult(drafts=torch.cat(drafts, dim=1), draft_probs=torch.stack(probs, dim=1), hidden=hidden[:, -1])
+        new_rows = positions >= self.prompt_len - 1  # the rows carrying generated tokens (one prompt, no padding)
+        for committed, ids, new in zip(self.committed, input_ids.tolist(), new_rows.tolist()):
+            committed.extend(t for t, n in zip(ids, new) if n)
+        lengths = torch.tensor([len(c) for c in self.committed])
+        drafts = torch.zeros(len(lengths), self.num_speculative_tokens, dtype=torch.long)
+        probs = torch.zeros(len(lengths), self.num_speculative_tokens, 4)
+        for length in lengths.unique().tolist():  # rows with as many committed tokens share one law lookup
+            rows = (lengths == length).nonzero().squeeze(1)
+            history = torch.tensor([self.committed[b] for b in rows.tolist()]).view(len(rows), length)
+            for depth in range(self.num_speculative_tokens):
+                j = history.shape[1]
+                exact = self.laws[j][tuple(history.T)] if j < len(self.laws) else torch.full((len(history), 4), 0.25)
+                q = 0.5 * exact + 0.5 * self.wrong[history[:, -1]] if depth in self.mixed else exact
+                draft = torch.multinomial(q, 1, generator=generator)
+                drafts[rows, depth], probs[rows, depth] = draft[:, 0], q
+                history = torch.cat([history, draft], dim=1)
+        return DraftResult(drafts=drafts, draft_probs=probs, hidden=hidden[:, -1])
 
 
 def test_sampling_k3_matches_target_distribution(tiny_vocab_target, monkeypatch):
     target, prompt, temperature, top_p = tiny_vocab_target, [1, 3, 2, 0], 0.9, 0.95
     laws, joint = exact_laws(target, prompt, NEW, temperature, top_p)
 
-    def run(mixed, batch, seed):
+    def run(mixed, batch, seed, lockstep=False):
         drafter = SamplingDrafter(laws, len(prompt), mixed, 4, batch)
         out = speculative_generate(target, drafter, torch.tensor([prompt] * batch), max_new_tokens=NEW,
-                                   temperature=temperature, top_p=top_p, generator=torch.Generator().manual_seed(seed))
+                                   temperature=temperature, top_p=top_p, generator=torch.Generator().manual_seed(seed),
+                                   lockstep=lockstep)
         return out, out.sequences[:, len(prompt):]
 
-    # Wrong at depth 1 / 2 / 3 (a lockstep cut after 0 / 1 / 2 drafts, residual samples there), or exact everywhere
-    # (every draft accepted, the bonus token emitted): each run must follow the target's exact joint law.
+    # Wrong at depth 1 / 2 / 3 (a row then stops after 0 / 1 / 2 drafts or takes the residual sample there), or exact
+    # everywhere (every draft accepted, the bonus token emitted): each row keeps its own accepted length, the rows
+    # that stopped early go on with ragged windows, and every run must follow the target's exact joint law.
     for mixed, cut in (({0, 1, 2}, 0), ({1, 2}, 1), ({2}, 2), ((), 3)):
         out, samples = run(mixed, 4000, 7 + cut)
         first_round = out.accepted_per_position_per_round[0]
-        assert out.emitted_per_round[0] == cut + 1 and first_round[:cut] == [4000] * cut, (mixed, first_round)
+        assert first_round[:cut] == [4000] * cut and out.emitted_per_round[0] == 4000 + out.accepted_per_round[0]
         if cut < 3:  # at the first mixed depth some rows accept (and emit their draft), the others resample
             assert 400 < first_round[cut] < 3600, (mixed, first_round)
+            assert out.num_rounds > 1 and out.drafted_per_round[1] < out.drafted_per_round[0]
         assert chi_square_pvalue(samples, joint) > 1e-3, mixed
+
+    # Lockstep (the benchmark's baseline): the batch is cut after the drafts every row accepted; same law.
+    out, samples = run({1, 2}, 4000, 8, lockstep=True)
+    assert out.emitted_per_round[0] == 4000 * 2 and chi_square_pvalue(samples, joint) > 1e-3
 
     # The test can fail: a wrong acceptance rule (always accept the draft) is detected by the same bound.
     monkeypatch.setattr(speculative, "_accept_mask", lambda p_d, q_d, u: torch.ones_like(p_d, dtype=torch.bool))
