@@ -13,7 +13,8 @@ TORCH  ?= torch==2.13.0
 # matplotlib: the benchmark's report image.
 FLOOR_VENV  ?= .venv-floor
 FLOOR_PY    := $(FLOOR_VENV)/bin/python
-FLOOR_TESTS ?= tests/test_hf_compat.py tests/runtime/test_speculative.py tests/model/test_parity_hf.py \
+FLOOR_TESTS ?= tests/test_hf_compat.py tests/runtime/test_speculative.py tests/runtime/test_perrow.py \
+               tests/model/test_parity_hf.py \
                tests/test_checkpoint.py tests/test_config.py tests/testing/test_synthetic.py \
                tests/testing/test_fixture_parity.py \
                tests/bench/test_e2e.py::test_e2e_section_on_the_distilled_target \

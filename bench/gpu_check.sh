@@ -10,7 +10,8 @@
 # starts or runs past BUDGET (470 s) from the script's start, so the whole run stays within 8 minutes:
 #   env     30  the machine and GPU first, then the carried wheels from .whl/ (no registry is needed or
 #               reached), then the versions of what the stages import
-#   graphs  60  pytest -m gpu -k cuda_graph: the drafter's CUDA-graph capture / replay tests
+#   graphs  60  pytest -m gpu -k cuda_graph: the drafter's CUDA-graph capture / replay tests, K = 1 and the whole
+#               K = 8 round (issue 11) as one graph per bucket
 #   full   100  the benchmark at the real per-depth dims (1 MTP depth, 2-layer trunk), bf16, random weights built on
 #               the device: eager / compiled / transformers / GEMM floor, kernel counts, bytes read vs copy
 #               bandwidth; the CUDA-graph variant is built last (a capture failure loses nothing else)
@@ -19,14 +20,14 @@
 #               there, briefly): tokens/s, acceptance, same tokens as the target
 #   tests   75  the other gpu tests: Triton launch counts of our passes, ulp-compared outputs, the CUDA-graph GEMM
 #               floor, copy bandwidth
-#   chain   35  multi-depth drafting (issue 11): K = 1 vs K = 8 draft rounds with CUDA graphs
-#   aoti    35  the packaged AOTInductor step (issue 15): start-up and per-call rows
+#   aoti    70  the packaged AOTInductor rounds (issue 15): their gpu test (CUDA graphs of a K = 3 packaged round),
+#               then the benchmark's packaged section on tiny: start-up and per-call rows
 #   quant   30  int8 weight-only drafting (issue 14): its gpu tests, and the benchmark's quant section at the real
 #               per-depth dims (fp32 / bf16 / int8 depths / int8 depths + head against the fp32 GEMM floor)
 #   small  rest the benchmark at `small` (H 1024, V 32000), bf16, a synthetic checkpoint shared with transformers:
 #               cold / warm compile + CUDA-graph capture in subprocesses, kernels, latency (>= 25 s even when every
 #               stage before it runs to its limit)
-# chain / aoti / quant each run their gpu tests (pytest -m gpu -k <words>) and their benchmark section (a name in
+# aoti / quant each run their gpu tests (pytest -m gpu -k <words>) and their benchmark section (a name in
 # bench/run.py's SECTIONS) where the build has them, and otherwise say "not available in this build".
 #
 # $OUT gets at most 5 files at any moment (the device tool returns 8): gpu_check.log (the summary: each stage's
@@ -61,7 +62,7 @@ DEVICE="${BENCH_DEVICE:-cuda}"
 FULL_CONFIG="${FULL_CONFIG:-full}"
 SMALL_CONFIG="${SMALL_CONFIG:-small}"
 EXTRA="${BENCH_EXTRA:-}"
-STAGES="${STAGES:-env,graphs,full,e2e,tests,chain,aoti,quant,small}"
+STAGES="${STAGES:-env,graphs,full,e2e,tests,aoti,quant,small}"
 BUDGET="${BUDGET:-470}"
 WORK="${WORK:-/tmp/inkling_gpu_check}"  # the RESULTS.md entries accumulate here, outside $OUT
 SITE="${WHEEL_SITE:-/tmp/inkling_compiled_site}"
@@ -211,20 +212,23 @@ export REPO SITE WORK OUT DEVICE EXTRA
 log "OUT=$OUT device=$DEVICE full=$FULL_CONFIG small=$SMALL_CONFIG extra=[$EXTRA] stages=$STAGES budget=${BUDGET}s"
 stage env 30 bash -c env_report
 [ -f "$SITE/.complete" ] && export PYTHONPATH="$REPO:$SITE${PYTHONPATH#"$REPO"}"
-stage graphs 60 bash -c 'gpu_tests -k cuda_graph'
-stage full 100 bash -c "bench full --config '$FULL_CONFIG' --weights random --skip compile,stock,quant,e2e \
+stage graphs 60 bash -c 'gpu_tests -k cuda_graph'  # K = 1 and the whole K = 8 round as one graph per bucket
+# Each bench stage names the sections it leaves out: the depths / kcompile sweep is CPU-only, and the packaged and
+# quant sections have stages of their own.
+NOT_HERE="depths,kcompile,packaged"
+stage full 100 bash -c "bench full --config '$FULL_CONFIG' --weights random --skip compile,stock,quant,e2e,$NOT_HERE \
   --context 128 --time-budget 10"
 E2E_SOURCE="--distill-steps 100"
 [ -d "$E2E_CHECKPOINT" ] && E2E_SOURCE="--e2e-checkpoint $E2E_CHECKPOINT"
-stage e2e 80 bash -c "bench e2e --skip compile,latency $E2E_SOURCE --e2e-prompts 2 --e2e-tokens 48"
-CHAIN="multidepth" AOTI="packaged aoti" QUANT="quantiz int8 float8"  # the feature stages' test words
-stage tests 75 bash -c "gpu_tests -k 'not cuda_graph and not ($(echo $CHAIN $AOTI $QUANT | sed 's/ / or /g'))'"
-stage chain 35 bash -c "feature depths '$CHAIN' --config '$FULL_CONFIG' --weights random --skip compile,stock,e2e \
+stage e2e 80 bash -c "bench e2e --skip compile,latency,$NOT_HERE $E2E_SOURCE --e2e-prompts 2 --e2e-tokens 48"
+AOTI="packaged aoti" QUANT="quantiz int8 float8"  # the feature stages' test words
+stage tests 75 bash -c "gpu_tests -k 'not cuda_graph and not ($(echo $AOTI $QUANT | sed 's/ / or /g'))'"
+# the packaged round on tiny (AOTInductor compiles are what the stage costs): its gpu test, then the section alone
+stage aoti 70 bash -c "feature packaged '$AOTI' --skip compile,latency,kernels,quant,e2e,depths,kcompile \
   --time-budget 8"
-stage aoti 35 bash -c "feature packaged '$AOTI' --config '$SMALL_CONFIG' --skip stock,peer,floor,e2e --time-budget 8"
-stage quant 30 bash -c "feature quant '$QUANT' --config '$FULL_CONFIG' --weights random --skip compile,latency,e2e \
-  --with quant --time-budget 8"
-stage small rest bash -c "bench small --config '$SMALL_CONFIG' --skip e2e,stock,quant --context 128 \
+stage quant 30 bash -c "feature quant '$QUANT' --config '$FULL_CONFIG' --weights random \
+  --skip compile,latency,e2e,$NOT_HERE --with quant --time-budget 8"
+stage small rest bash -c "bench small --config '$SMALL_CONFIG' --skip e2e,stock,quant,$NOT_HERE --context 128 \
   --recompile-steps 10 --time-budget 8 --probe-timeout 60"
 
 closing_table
