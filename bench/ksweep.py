@@ -299,7 +299,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
         hf_speedup = {k: seconds["hf_mtp"] / seconds[k] for k in ks}
     for k in ks:
         pooled, (out, t) = _acceptance(outputs[k]), batched[k]
-        batched = _acceptance([out])
+        padded = _acceptance([out])
         result["ours"][str(k)] = {
             "k": k, "tokens_per_s": tokens / seconds[k], "speedup_vs_target": seconds["target"] / seconds[k],
             "speedup_vs_hf_mtp": hf_speedup.get(k), "mean_accepted_length": pooled["mean_accepted_length"],
@@ -309,9 +309,9 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             "draft_round_all_accepted_ms": rounds_ms[k]["all"][0], "compile_s": compile_s[k], "cold_compile": None,
             "batch4": {"compiled": batch4_compiled, "tokens_per_s": batch_tokens / t,
                        "speedup_vs_target": batch_target_s / t,
-                       "mean_accepted_length": batched["mean_accepted_length"],
-                       "acceptance_per_position": batched["acceptance_per_position"],
-                       "per_sequence_accepted_length": batched["per_sequence_accepted_length"],
+                       "mean_accepted_length": padded["mean_accepted_length"],
+                       "acceptance_per_position": padded["acceptance_per_position"],
+                       "per_sequence_accepted_length": padded["per_sequence_accepted_length"],
                        "outputs_match_target": torch.equal(out.sequences, batch_reference)}}
     if cfg.cold_compile:
         probed = cfg.ks if cfg.cold_compile_every_k else sorted({min(cfg.ks), max(cfg.ks)})

@@ -68,7 +68,8 @@ def test_goals_are_printed_with_values_or_na(quick):
     result, _, _ = quick
     ids = [g["id"] for g in result["goals"]]
     assert ids == ["cpu_tiny_vs_transformers", "small_vs_gemm_floor", "e2e_tiny_faster_than_target",
-                   "gpu_full_vs_hbm_floor", "cpu_tiny_cold_compile", "cpu_tiny_warm_compile"]
+                   "gpu_full_vs_hbm_floor", "cpu_tiny_cold_compile", "cpu_tiny_warm_compile",
+                   "cpu_tiny_packaged_startup", "cpu_tiny_packaged_vs_transformers", "k_sweep_compile_ratio"]
     vs_peer = result["goals"][0]
     assert vs_peer["value"] > 0 and vs_peer["met"] in (True, False)
     assert all(g["met"] is None for g in result["goals"][1:])  # not measured in this run
