@@ -358,6 +358,48 @@ class Goal(TypedDict):
     note: str
 
 
+class PerRowMode(TypedDict):
+    tokens_per_forward: float  # tokens per (row, target forward): mean accepted length
+    target_forwards: int
+    tokens_per_s: float
+    same_tokens: bool  # every continuation equals target.generate's
+    vs_batch1: float  # tokens_per_forward over batch 1's, same mode
+
+
+class PerRowRollback(TypedDict):
+    forward_ms: float  # median verify forward
+    rollback_ms: float  # median target_cache.rollback_rows, every round
+    share: float
+    ragged_ms: float | None  # median over the rounds whose rows kept different counts
+    rounds: int
+    ragged_rounds: int
+
+
+class PerRowBatch(TypedDict):
+    lockstep: PerRowMode
+    per_row: PerRowMode
+    rollback: PerRowRollback
+
+
+class RollbackCost(TypedDict):
+    batch: int
+    k: int
+    context: int
+    rollback_ms: float
+    forward_ms: float
+    share: float
+
+
+class PerRow(TypedDict):
+    """Per-row acceptance against lockstep (issue 13; ``bench.perrow.run_perrow``), one run."""
+
+    checkpoint: str
+    config: dict[str, Any]  # bench.perrow.PerRowConfig
+    ks: dict[str, dict[str, PerRowBatch]]  # by K, then batch size
+    target: dict[str, dict[str, float]]  # by batch size: the target alone's tokens_per_s
+    rollback_vs_context: list[RollbackCost]
+
+
 class Result(TypedDict):
     schema: str
     command: str
@@ -370,6 +412,7 @@ class Result(TypedDict):
     configs: dict[str, Config]
     e2e: E2E | Failed | None
     depths: NotRequired[Depths | Failed | None]
+    perrow: NotRequired[PerRow | Failed | None]
     goals: list[Goal]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .ksweep import format_lines as format_depths
 from .packaged import format_table as packaged_table
+from .perrow import format_table as perrow_table
 
 VARIANT_LABELS = {
     "eager": "ours eager",
@@ -112,6 +113,16 @@ def evaluate_goals(result: dict) -> list[dict]:
     goals.append(_goal("cpu_tiny_packaged_vs_transformers", "CPU tiny: packaged draft >= 15x faster than "
                        "transformers' MtpModel step", ">= 15x", speedup, None if speedup is None else speedup >= 15,
                        "x", "" if speedup is not None else "needs the packaged section on CPU with tiny (fp32)"))
+
+    batch4, k = None, None
+    for key, entry in ((result.get("perrow") or {}).get("ks") or {}).items():  # the largest K's batch of 4
+        row = {str(b): v for b, v in entry.items()}.get("4")
+        if row and (k is None or int(key) > k):
+            batch4, k = row["per_row"]["vs_batch1"], int(key)
+    goals.append(_goal("perrow_batch4_tokens_per_forward", "per-row acceptance: batch 4 keeps >= 90 % of batch 1's "
+                       "tokens per target forward (largest K of the perrow section)", ">= 0.9x", batch4,
+                       None if batch4 is None else batch4 >= 0.9, "x",
+                       f"K = {k}" if batch4 is not None else "needs the perrow section (CPU)"))
 
     probes = [p["cold_compile"] for p in ((result.get("depths") or {}).get("ours") or {}).values()
               if isinstance(p.get("cold_compile"), dict) and "cpu_s" in p["cold_compile"]]
@@ -309,6 +320,10 @@ def format_table(result: dict) -> str:
             lines.append(f"FAILED: {cfg['error']}")
     if result.get("e2e"):
         lines += [""] + _e2e_lines(result["e2e"])
+    if result.get("perrow"):
+        perrow = result["perrow"]
+        lines += [""] + ([f"per-row vs lockstep: FAILED: {perrow['error']}"] if perrow.get("error")
+                         else perrow_table(perrow).splitlines())
     if result.get("depths"):
         depths = result["depths"]
         lines += [""] + ([f"K sweep: FAILED: {depths['error']}"] if depths.get("error") else format_depths(depths))

@@ -76,11 +76,13 @@ SECTIONS = {
     "e2e": "end-to-end speculative generation, K = 1",
     "depths": "the K sweep: end to end per K (batch 1 and 4) and draft-round latency",
     "kcompile": "the K sweep's cold compile per K (a subprocess each)",
+    "perrow": "per-row acceptance vs lockstep: tokens per target forward and tokens/s at batch 1, 4, 8 (K = 1, 4)",
     "packaged": "the drafter packaged with AOTInductor: start-up in fresh processes, per-call latency (K = 1)",
 }
 # Sections a preset runs only when asked with --with: on tiny the quant section's compiles (one per scheme) would
 # multiply the default run's time, for a step too small to be memory-bound
 OPT_IN = {"quant": frozenset({"tiny"})}
+CPU_ONLY = {"depths": "ksweep", "perrow": "perrow"}  # section -> its module
 
 _T0 = time.perf_counter()
 
@@ -426,6 +428,15 @@ def depths_section(s: Settings) -> dict:
     return result
 
 
+def perrow_section(s: Settings) -> dict:
+    """``records.PerRow``: per-row acceptance against lockstep on the end-to-end target (CPU; random prompts of its
+    vocabulary, the same for both modes)."""
+    from .perrow import PerRowConfig, run_perrow
+
+    cfg = PerRowConfig(new_tokens=min(48, s.e2e_tokens), threads=s.threads, contexts=(64, 512))
+    return run_perrow(e2e_target(s).checkpoint, cfg, progress=progress)
+
+
 # ------------------------------------------------------------------------------------------------------ CLI
 
 def parse_args(argv=None) -> Settings:
@@ -573,10 +584,11 @@ def _run(s: Settings, given: list[str]) -> dict:
             progress(f"{preset}: FAILED: {type(e).__name__}: {e}")
             out["error"] = f"{type(e).__name__}: {e}"[:2000]
         save(f"{preset}")
-    if s.runs("depths") and s.device != "cpu":
-        progress("depths: the K sweep runs on CPU only (bench.ksweep); left out on this device")
-    for name, section in (("e2e", e2e_section), ("depths", depths_section)):
-        if not s.runs(name) or name == "depths" and s.device != "cpu":
+    for name in CPU_ONLY:
+        if s.runs(name) and s.device != "cpu":
+            progress(f"{name}: runs on CPU only (bench.{CPU_ONLY[name]}); left out on this device")
+    for name, section in (("e2e", e2e_section), ("depths", depths_section), ("perrow", perrow_section)):
+        if not s.runs(name) or name in CPU_ONLY and s.device != "cpu":
             continue
         try:
             result[name] = section(s)

@@ -1,9 +1,12 @@
 """The per-row vs lockstep comparison (``bench.perrow``) on the undistilled tiny8 checkpoint, eager drafter, a few
 tokens: every configuration reproduces the target's greedy tokens, and the table shows each (K, batch)."""
 
+import json
+
 import pytest
 
 from bench.perrow import PerRowConfig, format_table, run_perrow
+from bench.records import PerRow, problems
 from inkling_compiled.testing.synthetic import cached_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,3 +29,4 @@ def test_perrow_figures_and_table():
     table = format_table(result)
     assert result["rollback_vs_context"][0]["rollback_ms"] > 0 and result["rollback_vs_context"][0]["context"] == 16
     assert len(table.splitlines()) == 2 + 4 + 1 and "per-row vs lockstep" in table
+    assert problems(json.loads(json.dumps(result)), PerRow) == []  # what make bench stores under "perrow"

@@ -221,7 +221,7 @@ def test_the_benchmark_ends_with_the_reports_path_or_how_to_get_it(has_matplotli
     if not has_matplotlib:
         _hide_matplotlib(monkeypatch)
     json_path = tmp_path / "result.json"
-    run.run(["--skip", "compile,latency,depths,packaged", "--json", str(json_path)])
+    run.run(["--skip", "compile,latency,depths,perrow,packaged", "--json", str(json_path)])
     last = capsys.readouterr().out.splitlines()[-1]
     if has_matplotlib:
         assert last == f"report: {tmp_path / 'result.png'}"

@@ -39,8 +39,8 @@ def test_the_quant_section_of_a_run_conforms_to_the_records(tmp_path, monkeypatc
     monkeypatch.setattr(quant, "SCHEMES", {"fp32": "fp32", "int8_depths": "int8_depths_fast"})  # one compile
     monkeypatch.setattr(quant, "_drafter", drafter)
     path = tmp_path / "result.json"
-    result = run.run(["--quick", "--config", "tiny", "--skip", "compile,latency,e2e,depths,packaged", "--with", "quant",
-                      "--json", str(path)])
+    result = run.run(["--quick", "--config", "tiny", "--skip", "compile,latency,e2e,depths,perrow,packaged",
+                      "--with", "quant", "--json", str(path)])
     on_disk = json.loads(path.read_text())
     assert problems(on_disk) == [] and on_disk["completed"] == ["tiny/models", "tiny/quant", "tiny"]
     assert on_disk["settings"]["opt_in"] == ["quant"]
@@ -61,7 +61,8 @@ def test_a_section_that_raises_is_recorded_and_the_run_goes_on(tmp_path, monkeyp
         raise RuntimeError("broken")
 
     monkeypatch.setattr(quant, "quant_rows", quant_rows)
-    result = run.run(["--quick", "--config", "tiny", "--skip", "compile,latency,e2e,depths,packaged", "--with", "quant",
+    result = run.run(["--quick", "--config", "tiny", "--skip", "compile,latency,e2e,depths,perrow,packaged",
+                      "--with", "quant",
                       "--json", str(tmp_path / "result.json")])
     assert result["configs"]["tiny"]["quant"] == {"error": "RuntimeError: broken"} and problems(result) == []
     assert "quant: FAILED: RuntimeError: broken" in report.format_table(result)
