@@ -152,9 +152,10 @@ def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig | None = None, progress=
     methods = {"target": target_alone, "target_loop": target_loop}
     if cfg.hf_mtp:
         methods["hf_mtp"] = hf_mtp
-    methods["ours_eager"] = ours(Drafter(mtp, 1, max_length, compile=False))
+    # one draft per round (K = 1): the section's fixed point; the K sweep (bench.ksweep) runs every K
+    methods["ours_eager"] = ours(Drafter(mtp, 1, max_length, num_speculative_tokens=1, compile=False))
     if cfg.compiled:
-        methods["ours_compiled"] = ours(Drafter(mtp, 1, max_length, compile=True,
+        methods["ours_compiled"] = ours(Drafter(mtp, 1, max_length, num_speculative_tokens=1, compile=True,
                                                 compile_options=compile_options(passes=True, fresh=False)))
 
     acc = {name: dict(seconds=0.0, tokens=0, drafted=0, accepted=0, rounds=0, matches=0, warm=0.0)

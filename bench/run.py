@@ -433,7 +433,7 @@ def perrow_section(s: Settings) -> dict:
     vocabulary, the same for both modes)."""
     from .perrow import PerRowConfig, run_perrow
 
-    cfg = PerRowConfig(new_tokens=min(48, s.e2e_tokens), threads=s.threads, contexts=(64, 512))
+    cfg = PerRowConfig(new_tokens=min(32, s.e2e_tokens), threads=s.threads, contexts=(64,))
     return run_perrow(e2e_target(s).checkpoint, cfg, progress=progress)
 
 
