@@ -38,7 +38,7 @@ VLLM_MEAN_ACCEPTED_LENGTH = {1: 1.83, 8: 4.50}
 VLLM_LABEL = "vLLM, full-size Inkling, gsm8k (published)"
 
 VARIANT_COLORS = {"eager": "tab:gray", "compiled_nopasses": "tab:blue", "compiled": "tab:green",
-                  "compiled_call": "tab:olive", "packaged": "tab:purple", "cudagraph": "tab:red",
+                  "compiled_call": "tab:olive", "cudagraph": "tab:red",
                   "hf_eager": "tab:orange"}
 STARTUP_PARTS = {"import_s": "imports", "load_s": "loading the models",
                  "first_call_s": "first draft: compile (or package load) + run"}

@@ -16,7 +16,6 @@ VARIANT_LABELS = {
     "compiled_nopasses": "ours compiled (stock Inductor)",
     "compiled": "ours compiled (+ our passes)",
     "compiled_call": "  same, compiled graph call only",
-    "packaged": "ours packaged (AOTInductor)",
     "cudagraph": "ours compiled + CUDA graph",
     "hf_eager": "transformers MtpModel (eager)",
     "gemm_floor": "GEMM floor (the step's GEMMs alone)",

@@ -35,7 +35,7 @@ def probe(first_call_s: float, hit: bool) -> dict:
 
 
 def latency(batch: int) -> dict:
-    medians = {"eager": 2.0, "compiled_nopasses": 0.4, "compiled": 0.3, "compiled_call": 0.25, "packaged": 0.1,
+    medians = {"eager": 2.0, "compiled_nopasses": 0.4, "compiled": 0.3, "compiled_call": 0.25,
                "hf_eager": 3.0, "gemm_floor": 0.05}
     return {"batch": batch, "context": 64, "max_length": 128,
             "variants": {name: stats(m * batch) for name, m in medians.items()},
