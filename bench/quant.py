@@ -9,8 +9,11 @@ must read, and the first call's wall time (compile included):
 * ``fp32``, ``bf16``: the unquantized model, default compile;
 * ``int8_depths``: int8 depth linears, bf16 head; ``int8_head``: int8 depths and a draft-only int8 LM head;
 * each int8 variant twice: ``default`` Inductor options and ``fast`` (the drafter's default for a quantized model,
-  ``inkling_compiled.runtime.drafter.FAST_INDUCTOR_OPTIONS``: freezing + max-autotune on CPU, coordinate-descent
-  tuning on CUDA).
+  ``inkling_compiled.runtime.drafter.FAST_INDUCTOR_OPTIONS``: freezing + max-autotune of the C++ template on CPU,
+  coordinate-descent tuning on CUDA);
+* ``torchao_int8_head_fast``: torchao's ``Int8WeightOnlyConfig`` on the depth linears (the ``torchao`` extra) and
+  our int8 head; ``torchao_float8_head_fast``: its ``Float8DynamicActivationFloat8WeightConfig`` (float8 GEMMs exist
+  on sm89+ GPUs only: on CPU it is not run by default).
 
     python -m bench.quant [--config small] [--device cpu] [--batch 1] [--context 64] [--variants a,b] [--rounds 10]
 """
@@ -25,33 +28,53 @@ import time
 import torch
 
 from inkling_compiled.runtime import Drafter
-from inkling_compiled.runtime.drafter import FAST_INDUCTOR_OPTIONS
+from inkling_compiled.runtime.drafter import FAST_PATH_OFF
 
 from . import step as S
 from .models import Models, load_models
 from .records import Stats
 from .timing import measure
 
-# (name, dtype, quantize_head or None for no quantization, fast Inductor options)
+
+def _torchao(config_name: str):
+    """A ``quantize_`` scheme: a fresh instance of the named ``torchao.quantization`` config (the optional extra)."""
+    def make():
+        from inkling_compiled.model import torchao_schemes
+        return getattr(torchao_schemes.import_quantization(), config_name)()
+    return make
+
+
+# (name, dtype, quantize_ scheme (a name, a torchao config factory) or None, quantize_head, fast Inductor options)
 VARIANTS = (
-    ("fp32", torch.float32, None, False),
-    ("bf16", torch.bfloat16, None, False),
-    ("int8_depths", torch.bfloat16, False, False),
-    ("int8_depths_fast", torch.bfloat16, False, True),
-    ("int8_head", torch.bfloat16, True, False),
-    ("int8_head_fast", torch.bfloat16, True, True),
+    ("fp32", torch.float32, None, False, False),
+    ("bf16", torch.bfloat16, None, False, False),
+    ("int8_depths", torch.bfloat16, "int8", False, False),
+    ("int8_depths_fast", torch.bfloat16, "int8", False, True),
+    ("int8_head", torch.bfloat16, "int8", True, False),
+    ("int8_head_fast", torch.bfloat16, "int8", True, True),
+    # torchao's int8 weight-only depth linears (fp32 scales) beside ours; the head is our int8 copy in both
+    ("torchao_int8_head_fast", torch.bfloat16, _torchao("Int8WeightOnlyConfig"), True, True),
+    # float8 weights and dynamically quantized float8 activations: a real GEMM kernel on sm89+ GPUs only
+    ("torchao_float8_head_fast", torch.bfloat16, _torchao("Float8DynamicActivationFloat8WeightConfig"), True, True),
 )
 FLOOR = "fp32_gemm_floor"
-# The benchmark's schemes (``bench.records.Quant``): each the variant a user gets by default, so the int8 ones with
-# the fast options a quantized model compiles with
-SCHEMES = {"fp32": "fp32", "bf16": "bf16", "int8_depths": "int8_depths_fast", "int8_depths_head": "int8_head_fast"}
+# The benchmark's schemes (``bench.records.Quant``): each the variant a user gets by default, so the quantized ones
+# with the fast options a quantized model compiles with; ``DEVICE_SCHEMES``: those only a device has kernels for
+SCHEMES = {"fp32": "fp32", "bf16": "bf16", "int8_depths": "int8_depths_fast", "int8_depths_head": "int8_head_fast",
+           "torchao_int8_depths_head": "torchao_int8_head_fast"}
+DEVICE_SCHEMES = {"cuda": {"torchao_float8_depths_head": "torchao_float8_head_fast"}}
 
 
-def _models(preset: str, device: torch.device, dtype: torch.dtype, weights: str | None,
-            quantize_head: bool | None) -> Models:
+def schemes(device: str) -> dict[str, str]:
+    """:data:`SCHEMES` and the device's own ones (``DEVICE_SCHEMES``), benchmark scheme -> variant."""
+    return {**SCHEMES, **DEVICE_SCHEMES.get(torch.device(device).type, {})}
+
+
+def _models(preset: str, device: torch.device, dtype: torch.dtype, weights: str | None, scheme,
+            quantize_head: bool) -> Models:
     models = load_models(preset, device=device, dtype=dtype, weights=weights, peer=False)
-    if quantize_head is not None:
-        models.mtp.quantize_("int8", head=quantize_head)
+    if scheme is not None:
+        models.mtp.quantize_(scheme if isinstance(scheme, str) else scheme(), head=quantize_head)
     return models
 
 
@@ -67,15 +90,15 @@ def _drafter(models: Models, batch: int, max_length: int, fast: bool) -> Drafter
     # still cached on disk). A quantized model compiles with the fast options unless they are turned off here.
     options = {"fx_graph_cache": False, "autotune_local_cache": False}
     if models.mtp.quantization is not None and not fast:
-        options.update(dict.fromkeys(FAST_INDUCTOR_OPTIONS.get(models.device.type, {}), False))
+        options.update(FAST_PATH_OFF.get(models.device.type, {}))
     return Drafter(models.mtp, batch, max_length, graph_rows=(1,), compile_options={"options": options},
                    num_speculative_tokens=1)
 
 
-def _variant(fp32: Models, name: str, dtype: torch.dtype, quantize_head: bool | None, fast: bool, batch: int,
+def _variant(fp32: Models, name: str, dtype: torch.dtype, scheme, quantize_head: bool, fast: bool, batch: int,
              context: int, max_length: int, weights: str | None):
     """One variant's step (prefilled) and its row, timed once: the first call, compile included."""
-    models = fp32 if name == "fp32" else _models(fp32.preset, fp32.device, dtype, weights, quantize_head)
+    models = fp32 if name == "fp32" else _models(fp32.preset, fp32.device, dtype, weights, scheme, quantize_head)
     inputs = S.make_inputs(models, batch, context)
     drafter = _drafter(models, batch, max_length, fast)
     S.prefill(models, drafter, inputs)
@@ -90,6 +113,7 @@ def _variant(fp32: Models, name: str, dtype: torch.dtype, quantize_head: bool | 
     quantization = models.mtp.quantization
     return step, {
         "variant": name, "dtype": str(dtype).removeprefix("torch."),
+        "scheme": None if quantization is None else quantization.scheme,
         "quantized": None if quantization is None else ("depths+head" if quantization.head else "depths"),
         "inductor_options": "fast" if fast else "default", "bytes_per_step": _step_bytes(models, batch, context),
         "head_copy_bytes": quantization.head_copy_bytes if quantization is not None else 0,
@@ -110,21 +134,21 @@ def quant_rows(preset: str = "small", *, device: str = "cpu", weights: str | Non
     if unknown:
         raise ValueError(f"unknown variants {unknown}: choose from {[v[0] for v in VARIANTS]}")
     steps, rows = {}, {}
-    fp32 = _models(preset, device, torch.float32, weights, None)  # the floor's GEMMs
+    fp32 = _models(preset, device, torch.float32, weights, None, False)  # the floor's GEMMs
     inputs = S.make_inputs(fp32, batch, context)
     eager = Drafter(fp32.mtp, batch, max_length, compile=False, num_speculative_tokens=1)
     S.prefill(fp32, eager, inputs)
     steps[FLOOR], _ = S.gemm_floor(fp32, eager, inputs)
     floor_bytes = _step_bytes(fp32, batch, context)
-    rows[FLOOR] = {"variant": FLOOR, "dtype": "float32", "quantized": None, "inductor_options": None,
+    rows[FLOOR] = {"variant": FLOOR, "dtype": "float32", "scheme": None, "quantized": None, "inductor_options": None,
                    "bytes_per_step": floor_bytes, "head_copy_bytes": 0, "first_call_s": None}
-    for name, dtype, quantize_head, fast in VARIANTS:
+    for name, dtype, scheme, quantize_head, fast in VARIANTS:
         if variants is not None and name not in variants:
             continue
         progress(f"{preset} b{batch}: compiling {name}")
         try:
-            steps[name], rows[name] = _variant(fp32, name, dtype, quantize_head, fast, batch, context, max_length,
-                                               weights)
+            steps[name], rows[name] = _variant(fp32, name, dtype, scheme, quantize_head, fast, batch, context,
+                                               max_length, weights)
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             if errors is None:
                 raise
@@ -139,15 +163,17 @@ def quant_rows(preset: str = "small", *, device: str = "cpu", weights: str | Non
     return list(rows.values())
 
 
-def quant_record(rows: list[dict], batch: int, errors: dict[str, str]) -> dict:
-    """``bench.records.Quant`` of :func:`quant_rows`' rows (and ``errors``) for the variants in :data:`SCHEMES`."""
+def quant_record(rows: list[dict], batch: int, errors: dict[str, str], device: str = "cpu") -> dict:
+    """``bench.records.Quant`` of :func:`quant_rows`' rows (and ``errors``) for the variants of the device's
+    :func:`schemes`."""
     by_variant = {row["variant"]: row for row in rows}
-    schemes = {scheme: by_variant[variant] for scheme, variant in SCHEMES.items() if variant in by_variant}
+    named = schemes(device)
+    found = {scheme: by_variant[variant] for scheme, variant in named.items() if variant in by_variant}
     return {"batch": batch, "fp32_floor_ms": by_variant[FLOOR]["median_ms"],
             "schemes": {scheme: {"step": {k: row[k] for k in Stats.__annotations__},
                                  "step_bytes": row["bytes_per_step"], "x_fp32_floor": row["x_fp32_floor"],
-                                 "compile_s": row["first_call_s"]} for scheme, row in schemes.items()},
-            "errors": {scheme: errors[variant] for scheme, variant in SCHEMES.items() if variant in errors}}
+                                 "compile_s": row["first_call_s"]} for scheme, row in found.items()},
+            "errors": {scheme: errors[variant] for scheme, variant in named.items() if variant in errors}}
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -157,7 +183,7 @@ def format_rows(rows: list[dict]) -> str:
     lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         first = f"{r['first_call_s']:.1f}" if r["first_call_s"] is not None else ""
-        weights = f"{r['dtype']}" + (f", int8 {r['quantized']}" if r["quantized"] else "")
+        weights = f"{r['dtype']}" + (f", {r['scheme']} {r['quantized']}" if r["quantized"] else "")
         lines.append(f"| {r['variant']} | {weights} | {r['inductor_options'] or ''} | {r['median_ms']:.2f} | "
                      f"{r['x_fp32_floor']:.2f} | {r['bytes_per_step'] / 1e6:.1f} MB | {r['bytes_x_fp32']:.2f} | "
                      f"{r['head_copy_bytes'] / 1e6:.1f} MB | {first} |")

@@ -247,7 +247,9 @@ class Quant(TypedDict):
 
     batch: int
     fp32_floor_ms: float  # the GEMM floor of the fp32 step, same run
-    schemes: dict[str, QuantScheme]  # "fp32", "bf16", "int8_depths", "int8_depths_head"
+    # "fp32", "bf16", "int8_depths", "int8_depths_head", "torchao_int8_depths_head" (+ "torchao_float8_depths_head"
+    # on CUDA): bench.quant.schemes
+    schemes: dict[str, QuantScheme]
     errors: dict[str, str]  # the schemes that failed (unavailable on the device, ...)
 
 

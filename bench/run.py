@@ -346,14 +346,16 @@ def config_section(preset: str, s: Settings, copy_bw: float | None, out: dict, s
 
 
 def quant_section(preset: str, s: Settings) -> dict:
-    """``records.Quant``: every scheme of ``bench.quant.SCHEMES`` at the first batch size, in one timed run."""
-    from .quant import SCHEMES, quant_record, quant_rows
+    """``records.Quant``: every scheme of ``bench.quant.schemes`` (the device's) at the first batch size, in one
+    timed run."""
+    from .quant import quant_record, quant_rows, schemes
 
     batch, errors = s.batch_sizes[0], {}
     rows = quant_rows(preset, device=s.device, weights=s.weights, batch=batch, context=s.context,
-                      max_length=s.max_length, variants=tuple(SCHEMES.values()), warmup=s.warmup, rounds=s.rounds,
-                      per_round=s.per_round, budget_s=s.time_budget, errors=errors, progress=progress)
-    return quant_record(rows, batch, errors)
+                      max_length=s.max_length, variants=tuple(schemes(s.device).values()), warmup=s.warmup,
+                      rounds=s.rounds, per_round=s.per_round, budget_s=s.time_budget, errors=errors,
+                      progress=progress)
+    return quant_record(rows, batch, errors, s.device)
 
 
 # ------------------------------------------------------------------------------------------------------ e2e

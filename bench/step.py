@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inkling_compiled import passes as ic_passes
+from inkling_compiled.model import torchao_schemes
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.kernel_stats import kernel_stats
 
@@ -196,7 +197,7 @@ def step_bytes(models: Models, batch: int, context: int) -> dict:
     c, mtp = models.config, models.mtp
     g = c.depths[0]
     item = models.dtype.itemsize
-    layer = sum(p.numel() * p.element_size() for p in mtp.layers[0].parameters())
+    layer = sum(torchao_schemes.nbytes(p) for p in mtp.layers[0].parameters())  # a torchao weight's stored bytes
     head = c.logits_vocab_size * c.hidden_size * item
     embed = batch * c.hidden_size * item + (c.hidden_size * item if mtp.embed_norm_weight is not None else 0)
     visible = context + 1 if g.window is None else min(context + 1, g.window)

@@ -20,13 +20,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import torchao_schemes
+
 SCHEMES = ("int8",)
 ACTIVATION_DTYPE = torch.bfloat16
 DEVICES = ("cpu", "cuda")  # where an int8 weight-only kernel exists behind the spelling below (tested on both)
 # Schemes people ask for that have no weight-only kernel here: the reason, instead of a plain "unknown scheme".
 NO_KERNEL = {
     "float8": "float8 weight-only has no GEMM kernel in torch: the weight is dequantized in full on every call "
-              "(about 10x slower than float32 on CPU), and torch's float8 GEMM quantizes the activations too",
+              "(about 10x slower than float32 on CPU), and torch's float8 GEMM quantizes the activations too (on a GPU "
+              "with float8 support, torchao's Float8DynamicActivationFloat8WeightConfig() does that)",
 }
 _QMAX = 127  # symmetric: -127..127, so that the scale maps the largest magnitude exactly
 
@@ -43,14 +46,18 @@ class Quantization:
 
 
 def check_scheme(scheme) -> None:
-    """TypeError / ValueError naming the problem unless ``scheme`` names a scheme offered here."""
+    """TypeError / ValueError naming the problem unless ``scheme`` names a scheme offered here or is a torchao
+    config (``model/torchao_schemes.py``)."""
+    if torchao_schemes.is_config(scheme):
+        return
     if not isinstance(scheme, str):
-        raise TypeError(f"quantize must be a scheme name {list(SCHEMES)} or None, got {type(scheme).__name__} "
-                        f"{scheme!r}")
+        raise TypeError(f"quantize must be a scheme name {list(SCHEMES)}, a torchao config instance, or None, got "
+                        f"{type(scheme).__name__} {scheme!r}")
     if scheme in NO_KERNEL:
         raise ValueError(f"quantization scheme {scheme!r} is not offered: {NO_KERNEL[scheme]}; use 'int8'")
     if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}: choose from {list(SCHEMES)}")
+        raise ValueError(f"unknown quantization scheme {scheme!r}: choose from {list(SCHEMES)} or pass a torchao "
+                         f"config instance ({torchao_schemes.INSTALL_HINT})")
 
 
 def check_runs_int8(device: torch.device, dtype: torch.dtype) -> None:

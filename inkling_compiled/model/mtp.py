@@ -15,7 +15,7 @@ from torch import nn
 
 from ..checkpoint import SHARED_KEYS, CheckpointError, RawCheckpoint, save_checkpoint
 from ..config import DepthGeometry, MTPConfig
-from . import int8
+from . import int8, torchao_schemes
 from .block import DecoderBlock
 from .cache import DepthCache, MTPCache
 from .depth_input import concat_normed, normed_embedding
@@ -103,13 +103,15 @@ class InklingMTP(nn.Module):
             model.quantize_(quantize, head=quantize_head)
         return model.eval()
 
-    def quantize_(self, scheme: str = "int8", *, head: bool = True) -> InklingMTP:
-        """Int8 weight-only depth linears and, with ``head``, a draft-only int8 copy of the LM head; in place.
+    def quantize_(self, scheme="int8", *, head: bool = True) -> InklingMTP:
+        """Weight-only quantized depth linears and, with ``head``, a draft-only int8 copy of the LM head; in place.
 
-        The shared LM head Parameter (the target's) is never modified: the copy holds its first logits_vocab_size
-        rows with 1/muP folded into the scales, and costs ``quantization.head_copy_bytes`` beside it. Norms, short
-        convs, relative-bias tables, the embedding and the activations (bfloat16) stay as they are. Deterministic,
-        and not saved: ``from_pretrained(..., quantize="int8")`` quantizes again on load (docs/compile.md §11).
+        ``scheme``: ``"int8"`` (ours, ``model/int8.py``) or a torchao config instance, which torchao applies to the
+        depth linears (``model/torchao_schemes.py``; the optional ``torchao`` extra). The shared LM head Parameter
+        (the target's) is never modified: the copy holds its first logits_vocab_size rows with 1/muP folded into
+        the scales, and costs ``quantization.head_copy_bytes`` beside it. Norms, short convs, relative-bias tables,
+        the embedding and the activations (bfloat16) stay as they are. Deterministic, and not saved:
+        ``from_pretrained(..., quantize=...)`` quantizes again on load (docs/compile.md §11).
         """
         int8.check_scheme(scheme)
         _check_bool("head", head)
@@ -117,17 +119,22 @@ class InklingMTP(nn.Module):
             raise ValueError(f"this model is already quantized ({self.quantization.scheme}, "
                              f"head={self.quantization.head})")
         int8.check_runs_int8(self.device, self.dtype)
-        before = after = 0
-        for depth in self.layers:
-            for name, linear in [(n, m) for n, m in depth.named_modules() if isinstance(m, nn.Linear)]:
-                parent, _, attr = name.rpartition(".")
-                quantized = Int8Linear.quantize(linear.weight)
-                setattr(depth.get_submodule(parent), attr, quantized)
-                before, after = before + linear.weight.nbytes, after + quantized.nbytes
+        if torchao_schemes.is_config(scheme):
+            before, after = torchao_schemes.quantize_linears(self.layers, scheme)  # all depths or none
+            name = torchao_schemes.scheme_name(scheme)
+        else:
+            before = after = 0
+            for depth in self.layers:
+                for path, linear in [(n, m) for n, m in depth.named_modules() if isinstance(m, nn.Linear)]:
+                    parent, _, attr = path.rpartition(".")
+                    quantized = Int8Linear.quantize(linear.weight)
+                    setattr(depth.get_submodule(parent), attr, quantized)
+                    before, after = before + linear.weight.nbytes, after + quantized.nbytes
+            name = scheme
         if head:
             rows = self.lm_head_weight[: self.config.logits_vocab_size]
             self.quantized_head = Int8Linear.quantize(rows, 1.0 / self.config.mup)
-        self.quantization = Quantization(scheme, head, before, after,
+        self.quantization = Quantization(name, head, before, after,
                                          self.quantized_head.nbytes if self.quantized_head is not None else 0)
         return self
 

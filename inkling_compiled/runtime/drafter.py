@@ -83,9 +83,15 @@ def _bucket_sizes(name: str, values) -> tuple[int, ...]:
 # Inductor options a quantized model's int8 kernels need, per device (docs/compile.md §11): passed to the drafter's
 # own torch.compile only, never set globally.
 FAST_INDUCTOR_OPTIONS = {
-    "cpu": {"freezing": True, "max_autotune": True},  # the C++ weight-only GEMM template packs frozen weights
+    # The C++ weight-only GEMM template packs frozen weights. Only the template: autotuning times its candidates
+    # with the weight hot in cache, where aten's _weight_int8pack_mm can win for a small weight, but the step reads
+    # every weight from memory, and there the template is faster at every depth shape (docs/compile.md §11).
+    "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
     "cuda": {"coordinate_descent_tuning": True},  # M == 1 GEMMs become reductions that read the int8 weight
 }
+# compile_options["options"] that turn the fast path off again (the switches; a backend list means nothing without)
+FAST_PATH_OFF = {device: {k: False for k, v in options.items() if v is True}
+                 for device, options in FAST_INDUCTOR_OPTIONS.items()}
 
 
 def fast_inductor_options(model) -> dict:

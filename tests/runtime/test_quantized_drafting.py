@@ -9,12 +9,12 @@ from torch import nn
 from inkling_compiled import InklingMTP
 from inkling_compiled.model.int8 import Int8Linear
 from inkling_compiled.runtime import Drafter, speculative_generate
-from inkling_compiled.runtime.drafter import FAST_INDUCTOR_OPTIONS
+from inkling_compiled.runtime.drafter import FAST_PATH_OFF
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
 from inkling_compiled.training.distill import distill, greedy_data
 
 BF16 = torch.bfloat16
-NO_FAST_PATH = {"options": dict.fromkeys(FAST_INDUCTOR_OPTIONS["cpu"], False)}  # default Inductor options
+NO_FAST_PATH = {"options": FAST_PATH_OFF["cpu"]}  # default Inductor options
 
 
 @pytest.fixture(scope="module")
