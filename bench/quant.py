@@ -9,7 +9,7 @@ must read, and the first call's wall time (compile included):
 * ``fp32``, ``bf16``: the unquantized model, default compile;
 * ``int8_depths``: int8 depth linears, bf16 head; ``int8_head``: int8 depths and a draft-only int8 LM head;
 * each int8 variant twice: ``default`` Inductor options and ``fast`` (the drafter's default for a quantized model,
-  ``inkling_compiled.runtime.drafter.FAST_INDUCTOR_OPTIONS``: freezing + max-autotune of the C++ template on CPU,
+  ``inkling_compiled.runtime.drafter.FAST_INDUCTOR_OPTIONS``: freezing + max-autotune on CPU,
   coordinate-descent tuning on CUDA);
 * ``torchao_int8_head_fast``: torchao's ``Int8WeightOnlyConfig`` on the depth linears (the ``torchao`` extra) and
   our int8 head; ``torchao_float8_head_fast``: its ``Float8DynamicActivationFloat8WeightConfig`` (float8 GEMMs exist

@@ -32,6 +32,7 @@ muP-correct draft distribution of each depth, returned for verification.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -83,10 +84,7 @@ def _bucket_sizes(name: str, values) -> tuple[int, ...]:
 # Inductor options a quantized model's int8 kernels need, per device (docs/compile.md §11): passed to the drafter's
 # own torch.compile only, never set globally.
 FAST_INDUCTOR_OPTIONS = {
-    # The C++ weight-only GEMM template packs frozen weights. Only the template: autotuning times its candidates
-    # with the weight hot in cache, where aten's _weight_int8pack_mm can win for a small weight, but the step reads
-    # every weight from memory, and there the template is faster at every depth shape (docs/compile.md §11).
-    "cpu": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
+    "cpu": {"freezing": True, "max_autotune": True},  # the C++ weight-only GEMM template packs frozen weights
     "cuda": {"coordinate_descent_tuning": True},  # M == 1 GEMMs become reductions that read the int8 weight
 }
 # compile_options["options"] that turn the fast path off again (the switches; a backend list means nothing without)
@@ -548,13 +546,25 @@ class Drafter:
                     outputs = self._capture(shape, step)
             shape.compiled = True
             return outputs
-        dynamo_config = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, prepare_freezing=self._freezing)
-        with torch.no_grad(), dynamo_config:
+        with torch.no_grad(), self._first_call_config():
             outputs = step(*shape.args())
             if self.uses_graph(shape.batch, shape.rows):
                 outputs = self._capture(shape, step)
         shape.compiled = True
         return outputs
+
+    def _first_call_config(self) -> contextlib.ExitStack:
+        """The settings of a bucket's first call (its compiles), and only of it. With freezing, Dynamo must trace
+        the weights as constants (``prepare_freezing``) and guard on which tensors they are, and it installs those
+        guards only while Inductor's *global* ``freezing`` flag is on: without them the depth step compiled with
+        depth 0's weights in its code would run for every later depth of the same geometry (wrong drafts, no
+        error). With them each depth compiles its own step (docs/compile.md §11)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                                       prepare_freezing=self._freezing))
+        if self._freezing:
+            stack.enter_context(torch._inductor.config.patch(freezing=True))
+        return stack
 
     def _capture(self, shape: _BucketBuffers, step) -> tuple[torch.Tensor, ...]:
         """Warm up on a side stream, then capture the whole round ``step`` (prologue and every depth's compiled step)

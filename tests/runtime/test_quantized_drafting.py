@@ -7,11 +7,13 @@ import torch
 from torch import nn
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.model import torchao_schemes
 from inkling_compiled.model.int8 import Int8Linear
 from inkling_compiled.runtime import Drafter, speculative_generate
 from inkling_compiled.runtime.drafter import FAST_PATH_OFF
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
 from inkling_compiled.training.distill import distill, greedy_data
+from tests.helpers import random_mtp, tiny_text_config
 
 BF16 = torch.bfloat16
 NO_FAST_PATH = {"options": FAST_PATH_OFF["cpu"]}  # default Inductor options
@@ -61,12 +63,15 @@ def test_int8_drafts_agree_with_bf16_drafts(distilled, target):
             assert abs(accuracy[0] - accuracy[1]) <= 0.02, (head, k)
 
 
-@pytest.mark.parametrize("k, compile", [(1, True), (2, False)])
-def test_speculative_generation_with_an_int8_drafter_is_lossless(distilled, target, k, compile):
+@pytest.mark.parametrize("scheme, k, compile", [("int8", 1, True), ("int8", 2, False), ("torchao", 1, True)])
+def test_speculative_generation_with_an_int8_drafter_is_lossless(distilled, target, scheme, k, compile):
     """Quantization changes drafts only: the int8 drafter's generation equals the fp32 target's greedy one, compiled
     at K = 1 (two-token prompts make the prefill the 2-row decode shape: two compiled graphs in all) and with both
-    depths chained (K = 2, eager: the compiled K-depth round is tested in test_drafter_depths.py)."""
-    mtp = InklingMTP.from_pretrained(distilled, quantize="int8")
+    depths chained (K = 2, eager: the compiled K-depth round is tested in test_drafter_depths.py); and so with
+    torchao's int8 depth linears (a tensor subclass through Dynamo, our passes and Inductor)."""
+    if scheme == "torchao":
+        scheme = torchao_schemes.import_quantization().Int8WeightOnlyConfig()
+    mtp = InklingMTP.from_pretrained(distilled, quantize=scheme)
     drafter = Drafter(mtp, max_batch_size=1, max_length=64, compile=compile, num_speculative_tokens=k,
                       compile_options=NO_FAST_PATH if compile else None)
     accepted = drafted = 0
@@ -106,6 +111,30 @@ def test_fast_path_options_stay_inside_our_compile(distilled):
     unrelated.weight.mul_(2)  # not frozen: the compiled module reads the weight it has now
     torch.testing.assert_close(compiled(x), unrelated(x))
     assert _config_snapshot() == before
+
+
+@torch.no_grad()
+def test_frozen_weights_of_one_depth_never_serve_another():
+    """With freezing (the fast path) a depth's weights are compiled into its step's code, so two depths of one
+    geometry cannot share a step as they do without it: each compiles its own (a regression: depth 1 once ran with
+    depth 0's frozen weights, drafting wrong tokens without an error). Freezing alone, float32, without autotuning:
+    the mechanism, at a fraction of the compile time."""
+    model = random_mtp(tiny_text_config(num_mtp_layers=2, mtp_local_layer_ids=[0, 1]))  # one geometry
+    model.lm_head_weight.mul_(30.0)  # peaked logits: a draft from the wrong weights is not a near-tie
+    frozen = {"options": {"freezing": True, "max_autotune": False}}
+    # one window width (3 rows: K + 1) for every call: three compiles, the prologue and one step per depth
+    compiled = Drafter(model, 1, 64, num_speculative_tokens=2, graph_rows=(3,), compile_options=frozen)
+    eager = Drafter(model, 1, 64, compile=False, num_speculative_tokens=2)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.logits_vocab_size, (1, 40), generator=gen)
+    hidden = torch.randn(1, 39, model.config.hidden_size, generator=gen)
+    start, rows = 0, 3
+    for i in range(12):
+        window = slice(start, start + rows)
+        args = tokens[:, window.start + 1:window.stop + 1], torch.arange(start, start + rows)[None], hidden[:, window]
+        got, want = compiled.draft(*args), eager.draft(*args)
+        assert torch.equal(got.drafts, want.drafts), i
+        start, rows = start + rows, 1 + i % 3  # 0, 1 and 2 drafts accepted
 
 
 # ------------------------------------------------------------------------------------------------ GPU
