@@ -12,7 +12,7 @@
 #               reached), then the versions of what the stages import
 #   graphs  60  pytest -m gpu -k cuda_graph: the drafter's CUDA-graph capture / replay tests, K = 1 and the whole
 #               K = 8 round (issue 11) as one graph per bucket
-#   full   100  the benchmark at the real per-depth dims (1 MTP depth, 2-layer trunk), bf16, random weights built on
+#   full    90  the benchmark at the real per-depth dims (1 MTP depth, 2-layer trunk), bf16, random weights built on
 #               the device: eager / compiled / transformers / GEMM floor, kernel counts, bytes read vs copy
 #               bandwidth; the CUDA-graph variant is built last (a capture failure loses nothing else)
 #   e2e     80  speculative generation end to end on CUDA (compiled drafter, CUDA graphs) vs the target alone and
@@ -22,8 +22,9 @@
 #               floor, copy bandwidth
 #   aoti    70  the packaged AOTInductor rounds (issue 15): their gpu test (CUDA graphs of a K = 3 packaged round),
 #               then the benchmark's packaged section on tiny: start-up and per-call rows
-#   quant   30  int8 weight-only drafting (issue 14): its gpu tests, and the benchmark's quant section at the real
-#               per-depth dims (fp32 / bf16 / int8 depths / int8 depths + head against the fp32 GEMM floor)
+#   quant   40  weight-only quantized drafting (issue 14): its gpu tests (ours and torchao's schemes under CUDA
+#               graphs), and the benchmark's quant section at the real per-depth dims (fp32 / bf16 / int8 depths /
+#               int8 depths + head / torchao int8 and float8 depths + our int8 head, against the fp32 GEMM floor)
 #   small  rest the benchmark at `small` (H 1024, V 32000), bf16, a synthetic checkpoint shared with transformers:
 #               cold / warm compile + CUDA-graph capture in subprocesses, kernels, latency (>= 25 s even when every
 #               stage before it runs to its limit)
@@ -43,9 +44,10 @@
 # (with PYTHON=path/to/python where python3 is not the one that has the project's packages)
 #
 # Before calling the device tool, here, in the repo root (git ignores .whl/): the GPU image had transformers 5.17
-# (no Inkling classes; we need >= 5.23) and no torchao, so
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0
-# (and, once quantized drafting needs it, torchao for Python 3.12 as the device tool's notes describe), and the
+# (no Inkling classes; we need >= 5.23) and no torchao (the quant stage's torchao rows and tests need it; its wheel
+# is cp310-abi3, so it installs on the image's Python 3.12), so
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0 torchao==0.18.0
+# and the
 # self-distilled tiny checkpoint for the e2e stage (distilling it there takes most of that stage; .cache/ is ignored),
 # with the project's Python:
 #   python -c "import shutil; from bench.e2e import distilled_checkpoint as d; shutil.copytree(d(), '.cache/e2e-tiny')"
@@ -216,17 +218,17 @@ stage graphs 60 bash -c 'gpu_tests -k cuda_graph'  # K = 1 and the whole K = 8 r
 # Each bench stage names the sections it leaves out: the depths / kcompile sweep is CPU-only, and the packaged and
 # quant sections have stages of their own.
 NOT_HERE="depths,kcompile,packaged"
-stage full 100 bash -c "bench full --config '$FULL_CONFIG' --weights random --skip compile,stock,quant,e2e,$NOT_HERE \
+stage full 90 bash -c "bench full --config '$FULL_CONFIG' --weights random --skip compile,stock,quant,e2e,$NOT_HERE \
   --context 128 --time-budget 10"
 E2E_SOURCE="--distill-steps 100"
 [ -d "$E2E_CHECKPOINT" ] && E2E_SOURCE="--e2e-checkpoint $E2E_CHECKPOINT"
 stage e2e 80 bash -c "bench e2e --skip compile,latency,$NOT_HERE $E2E_SOURCE --e2e-prompts 2 --e2e-tokens 48"
-AOTI="packaged aoti" QUANT="quantiz int8 float8"  # the feature stages' test words
+AOTI="packaged aoti" QUANT="quantiz int8 float8 torchao"  # the feature stages' test words
 stage tests 75 bash -c "gpu_tests -k 'not cuda_graph and not ($(echo $AOTI $QUANT | sed 's/ / or /g'))'"
 # the packaged round on tiny (AOTInductor compiles are what the stage costs): its gpu test, then the section alone
 stage aoti 70 bash -c "feature packaged '$AOTI' --skip compile,latency,kernels,quant,e2e,depths,kcompile \
   --time-budget 8"
-stage quant 30 bash -c "feature quant '$QUANT' --config '$FULL_CONFIG' --weights random \
+stage quant 40 bash -c "feature quant '$QUANT' --config '$FULL_CONFIG' --weights random \
   --skip compile,latency,e2e,$NOT_HERE --with quant --time-budget 8"
 stage small rest bash -c "bench small --config '$SMALL_CONFIG' --skip e2e,stock,quant,$NOT_HERE --context 128 \
   --recompile-steps 10 --time-budget 8 --probe-timeout 60"

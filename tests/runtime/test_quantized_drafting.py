@@ -183,3 +183,38 @@ def test_int8_step_on_cuda_never_casts_a_whole_weight():
     shapes = {tuple(m.weight.shape) for m in mtp.modules() if isinstance(m, Int8Linear)}
     found = re.findall(r"empty_strided_cuda\(\((\d+), (\d+)\), \(\d+, \d+\), torch\.bfloat16\)", "\n".join(code))
     assert code and not [s for s in found if tuple(map(int, s)) in shapes]
+
+
+def _float8_gemms() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.no_grad()
+@pytest.mark.parametrize("config_name", [
+    "Int8WeightOnlyConfig",
+    pytest.param("Float8DynamicActivationFloat8WeightConfig",
+                 marks=pytest.mark.skipif(not _float8_gemms(), reason="float8 GEMMs need sm89+")),
+])
+def test_torchao_drafter_with_cuda_graphs_matches_its_compiled_step(config_name):
+    """CUDA, torchao schemes (the H200's float8 GEMM among them): CUDA graphs draft what the compiled step drafts
+    without graphs, and the hidden state stays near the bf16 model's (float8 also rounds the activations)."""
+    config = getattr(torchao_schemes.import_quantization(), config_name)()
+    reference = InklingMTP.from_pretrained(cached_checkpoint("tiny"), dtype=BF16, device="cuda")
+    mtp = InklingMTP.from_pretrained(cached_checkpoint("tiny"), quantize=config, device="cuda")
+    graphs = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,), num_speculative_tokens=1)
+    plain = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,), cuda_graphs=False,
+                    num_speculative_tokens=1)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(8, 500, (2, 6), generator=gen).cuda()
+    hidden = torch.randn(2, 6, mtp.config.hidden_size, generator=gen).to(device="cuda", dtype=BF16)
+    positions = torch.arange(6, device="cuda")[None].expand(2, 6).contiguous()
+    for start, rows in ((0, 2), (2, 1), (3, 2), (5, 1)):
+        window = slice(start, start + rows)
+        a = graphs.draft(ids[:, window], positions[:, window], hidden[:, window])
+        b = plain.draft(ids[:, window], positions[:, window], hidden[:, window])
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden, b.hidden)
+    assert graphs._shapes[(2, 1, False)].graph is not None
+    want = reference(ids, positions, hidden, cache=reference.new_cache(2, 64))[:, -1].float()
+    assert (a.hidden.float() - want).abs().max() <= 0.1 * want.abs().max()
