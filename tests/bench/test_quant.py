@@ -66,3 +66,11 @@ def test_a_section_that_raises_is_recorded_and_the_run_goes_on(tmp_path, monkeyp
                       "--json", str(tmp_path / "result.json")])
     assert result["configs"]["tiny"]["quant"] == {"error": "RuntimeError: broken"} and problems(result) == []
     assert "quant: FAILED: RuntimeError: broken" in report.format_table(result)
+
+
+def test_the_float8_scheme_is_benchmarked_on_cuda_only():
+    """torchao's float8 GEMMs exist on sm89+ GPUs: the CPU run leaves its row out instead of recording a failure."""
+    assert "torchao_float8_depths_head" not in quant.schemes("cpu")
+    assert quant.schemes("cuda") == {**quant.SCHEMES, "torchao_float8_depths_head": "torchao_float8_head_fast"}
+    variants = {v[0] for v in quant.VARIANTS}
+    assert set(quant.schemes("cuda").values()) <= variants
