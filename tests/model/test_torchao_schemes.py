@@ -3,6 +3,7 @@ quantizes and what it must leave alone, its output against ours, global Inductor
 when torchao refuses, and a quiet import. The compiled drafter over a torchao model is covered in
 tests/runtime/test_quantized_drafting.py."""
 
+import re
 import subprocess
 import sys
 
@@ -121,16 +122,27 @@ def test_is_config():
     assert not any(torchao_schemes.is_config(s) for s in ("int8", None, 8, ao.Int8WeightOnlyConfig))
 
 
-def test_importing_torchao_through_us_prints_nothing():
-    """torchao's import logs a line for each CUDA-only library it cannot load on a CPU build, and torch a pytree
-    deprecation; compiling a model holding its tensors warns that AOT autograd's cache cannot hash them."""
-    code = ("import torch\n"
-            "from inkling_compiled.model import torchao_schemes\n"
-            "ao = torchao_schemes.import_quantization()\n"
-            "from tests.helpers import random_mtp\n"
-            "mtp = random_mtp(dtype=torch.bfloat16).quantize_(ao.Int8WeightOnlyConfig(), head=False)\n"
-            "layer = mtp.layers[0].input_proj\n"
-            "torch.compile(layer)(torch.randn(1, layer.in_features, dtype=torch.bfloat16))\n")
+def _run_quietly(code: str) -> list[str]:
+    """The lines a fresh process running ``code`` prints, torch's log prefixes (time, pid) removed."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert (done.stdout, done.stderr) == ("", "")
+    return [re.sub(r"^[IWEDC]\d{4} [\d:.]+ +\d+ ", "", line) for line in (done.stdout + done.stderr).splitlines()]
+
+
+def test_importing_torchao_through_us_prints_nothing():
+    """torchao's import logs a line for each CUDA-only library it cannot load on a CPU build, and torch a pytree
+    deprecation; compiling a model holding its tensors warns that AOT autograd's cache cannot hash them. None of it
+    may reach the user: the process prints what the same compile of a plain bf16 linear prints (nothing on a CPU
+    build of torch; on a CUDA build without a GPU torch's own "No CUDA runtime is found")."""
+    compile_layer = "torch.compile(layer)(torch.randn(1, layer.in_features, dtype=torch.bfloat16))\n"
+    plain = _run_quietly("import torch\n"
+                         "layer = torch.nn.Linear(128, 64, bias=False, dtype=torch.bfloat16).requires_grad_(False)\n"
+                         + compile_layer)
+    ours = _run_quietly("import torch\n"
+                        "from inkling_compiled.model import torchao_schemes\n"
+                        "ao = torchao_schemes.import_quantization()\n"
+                        "from tests.helpers import random_mtp\n"
+                        "mtp = random_mtp(dtype=torch.bfloat16).quantize_(ao.Int8WeightOnlyConfig(), head=False)\n"
+                        "layer = mtp.layers[0].input_proj\n"
+                        + compile_layer)
+    assert ours == plain
