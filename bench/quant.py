@@ -70,6 +70,12 @@ def schemes(device: str) -> dict[str, str]:
     return {**SCHEMES, **DEVICE_SCHEMES.get(torch.device(device).type, {})}
 
 
+def device_variants(device: str) -> tuple[str, ...]:
+    """Every variant but those only another device has kernels for: what ``quant_rows`` runs by default."""
+    elsewhere = {v for d, named in DEVICE_SCHEMES.items() if d != torch.device(device).type for v in named.values()}
+    return tuple(v[0] for v in VARIANTS if v[0] not in elsewhere)
+
+
 def _models(preset: str, device: torch.device, dtype: torch.dtype, weights: str | None, scheme,
             quantize_head: bool) -> Models:
     models = load_models(preset, device=device, dtype=dtype, weights=weights, peer=False)
@@ -125,12 +131,14 @@ def quant_rows(preset: str = "small", *, device: str = "cpu", weights: str | Non
                context: int = 64, max_length: int = 256, variants: tuple[str, ...] | None = None, warmup: int = 5,
                rounds: int = 10, per_round: int = 5, budget_s: float | None = None, errors: dict | None = None,
                progress=lambda msg: None) -> list[dict]:
-    """One row per variant (see module doc; ``variants`` names a subset) plus the fp32 GEMM floor row, all timed in
-    one interleaved run. ``weights``: ``bench.models.load_models``'s (the preset's checkpoint, or random for full).
+    """One row per variant (see module doc; ``variants`` names a subset, default the device's
+    :func:`device_variants`) plus the fp32 GEMM floor row, all timed in one interleaved run. ``weights``:
+    ``bench.models.load_models``'s (the preset's checkpoint, or random for full).
     With ``errors``, a variant that cannot be built (no kernel on the device, ...) is recorded there, name ->
     message, and left out instead of raising."""
     device = torch.device(device)
-    unknown = sorted(set(variants or ()) - {v[0] for v in VARIANTS})
+    variants = device_variants(device.type) if variants is None else variants
+    unknown = sorted(set(variants) - {v[0] for v in VARIANTS})
     if unknown:
         raise ValueError(f"unknown variants {unknown}: choose from {[v[0] for v in VARIANTS]}")
     steps, rows = {}, {}
@@ -143,7 +151,7 @@ def quant_rows(preset: str = "small", *, device: str = "cpu", weights: str | Non
     rows[FLOOR] = {"variant": FLOOR, "dtype": "float32", "scheme": None, "quantized": None, "inductor_options": None,
                    "bytes_per_step": floor_bytes, "head_copy_bytes": 0, "first_call_s": None}
     for name, dtype, scheme, quantize_head, fast in VARIANTS:
-        if variants is not None and name not in variants:
+        if name not in variants:
             continue
         progress(f"{preset} b{batch}: compiling {name}")
         try:

@@ -74,3 +74,5 @@ def test_the_float8_scheme_is_benchmarked_on_cuda_only():
     assert quant.schemes("cuda") == {**quant.SCHEMES, "torchao_float8_depths_head": "torchao_float8_head_fast"}
     variants = {v[0] for v in quant.VARIANTS}
     assert set(quant.schemes("cuda").values()) <= variants
+    assert set(quant.device_variants("cpu")) == variants - {"torchao_float8_head_fast"}
+    assert set(quant.device_variants("cuda")) == variants
