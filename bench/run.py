@@ -16,7 +16,8 @@ batch 1, context 64):
   size): build time, start-up to the first draft in a fresh process (package / cold compile / warm FX-cache hit) and
   per-call latency of the packaged round beside the compiled one, transformers' ``MtpModel`` and the GEMM floor;
 * quant (not on tiny unless ``--with quant``): the compiled step in fp32, bf16 and int8 weight-only (depths, depths
-  + head; ``bench.quant``) against the fp32 step's GEMM floor, at the first batch size;
+  + head; torchao's int8, and on CUDA its float8, depths + our head; ``bench.quant``) against the fp32 step's GEMM
+  floor, at the first batch size;
 * end to end on the text target (a tiny Inkling trained on Python standard-library source, its 8 MTP depths
   self-distilled; ``inkling_compiled.training.text_target``, built once and cached) with held-out source lines as
   prompts: tokens/s and acceptance of our speculative generation (K = 1) vs the target alone vs transformers'
