@@ -442,6 +442,11 @@ class Drafter:
             raise ValueError("save_compiled: this drafter compiles with Inductor freezing (a quantized model's fast "
                              "path, docs/compile.md §11), which folds the weights into the code; package with "
                              "compile_options={'options': {'freezing': False}}")
+        scheme = self.model.quantization.scheme if self.model.quantization is not None else ""
+        if scheme.startswith("torchao:"):  # AOTInductor would compile its tensors' int8 data into the code by value
+            raise ValueError(f"save_compiled: a model quantized with a torchao scheme ({scheme}) cannot be packaged: "
+                             "AOTInductor flattens its weight tensors into constants of the code, which a package "
+                             "that reads the model's own tensors cannot have; use quantize='int8'")
         keys = sorted({(*self.bucket(b, r), s) for b in batch_sizes for r in rows for s in {False, sampled}})
         steps = {}
         for key in keys:

@@ -151,3 +151,16 @@ def test_importing_torchao_through_us_prints_nothing():
 
     assert compile_first_linear("torchao_schemes.import_quantization().Int8WeightOnlyConfig()") == \
         compile_first_linear("'int8'")
+
+
+def test_a_torchao_model_is_not_packaged():
+    """AOTInductor compiles a torchao tensor's data into the package's code by value (seen: every depth linear),
+    where a package must read the model's own tensors: refused before anything is built."""
+    from inkling_compiled.runtime import Drafter
+    from inkling_compiled.runtime.drafter import FAST_PATH_OFF
+
+    mtp = random_mtp(dtype=BF16).quantize_(ao.Int8WeightOnlyConfig())
+    drafter = Drafter(mtp, 1, 32, num_speculative_tokens=1, compile_options={"options": FAST_PATH_OFF["cpu"]})
+    with pytest.raises(ValueError, match=r"a model quantized with a torchao scheme \(torchao:Int8WeightOnlyConfig\) "
+                                         r"cannot be packaged.*use quantize='int8'"):
+        drafter.save_compiled("/nonexistent/never-written")
