@@ -1,6 +1,5 @@
 """Shared test helpers: tiny configs, randomly initialised models (fp32, seeded), one checkpoint in both libraries."""
 
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -8,18 +7,6 @@ from transformers import InklingTextConfig
 
 from inkling_compiled import InklingMTP, MTPConfig
 from inkling_compiled.testing.synthetic import load_hf_mtp, load_hf_target, randomize_
-
-
-@contextmanager
-def intra_op_threads(n: int):
-    """``torch.set_num_threads(n)`` for the block, the previous count restored after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
 
 # Self-distillation in few steps and sequences: seconds on a 2-core CPU, still a clear effect.
 QUICK_DISTILL = dict(steps=60, seq_len=32, batch=16, lr=1e-2, prompt_len=8, num_sequences=64, eval_sequences=16,

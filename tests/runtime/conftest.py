@@ -7,7 +7,6 @@ from inkling_compiled import InklingMTP, passes
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
 from inkling_compiled.training.distill import distill
-from tests.helpers import intra_op_threads
 from tests.runtime.test_speculative import make_target
 
 K8_MAX_BATCH, K8_MAX_LENGTH = 4, 640
@@ -20,11 +19,10 @@ def target():
 
 @pytest.fixture(scope="session")
 def tiny8_distilled():
-    """The tiny8 preset (Inkling's eight MTP depths) self-distilled so that drafts are accepted (about a minute on one
-    intra-op thread; cached on disk)."""
-    with intra_op_threads(1):
-        return distill(cached_checkpoint("tiny8"), steps=80, seq_len=32, num_sequences=128, eval_sequences=16,
-                       progress=False)
+    """The tiny8 preset (Inkling's eight MTP depths) self-distilled so that drafts are accepted (about a minute;
+    cached on disk)."""
+    return distill(cached_checkpoint("tiny8"), steps=80, seq_len=32, num_sequences=128, eval_sequences=16,
+                   progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -42,9 +40,8 @@ def compiled_k8(tiny8_target_and_mtp):
     Its compile is most of what the K = 8 compiled tests cost, so they share it (test_drafter_depths.py,
     test_lossless_compiled_depths.py). One batch bucket of 4, windows of 8 and 9 rows (a prefill of at most K rows or
     a round of up to K + 1 verified rows): the prologue and both geometries' depth steps at each window size, all
-    compiled here by a K-row and a (K + 1)-row call, under one intra-op thread, with the FX graph cache off so that
-    our passes run whatever the cache holds (a hit would skip them and count nothing). Run it under one intra-op
-    thread too: Dynamo guards on the thread count (another count recompiles). A Drafter keeps its cache and
+    compiled here by a K-row and a (K + 1)-row call, with the FX graph cache off so that
+    our passes run whatever the cache holds (a hit would skip them and count nothing). A Drafter keeps its cache and
     committed rows between calls and is reused by starting new sequences at position 0 (what speculative_generate
     does per call; tests/model/test_nan_isolation.py), so each test starts its own sequences there."""
     _, mtp = tiny8_target_and_mtp
@@ -57,7 +54,7 @@ def compiled_k8(tiny8_target_and_mtp):
     hidden = torch.randn(1, rows, mtp.config.hidden_size, generator=gen)
     positions = torch.arange(rows)[None]
     passes.reset_match_counts()
-    with torch.no_grad(), intra_op_threads(1):
+    with torch.no_grad():
         for window in (slice(0, k), slice(k, rows)):
             drafter.draft(ids[:, window], positions[:, window], hidden[:, window])
     return drafter, passes.match_counts()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inkling_compiled.runtime import Drafter
-from tests.helpers import intra_op_threads, random_mtp, tiny_text_config
+from tests.helpers import random_mtp, tiny_text_config
 from tests.runtime.test_drafter import cuda, emulate_graphs
 
 H, VOCAB = 64, 250
@@ -247,7 +247,7 @@ def test_compiled_k8_matches_eager_without_recompiles_and_the_passes_fire(compil
         return drafter.draft(tokens[:, sl.start + 1:sl.stop + 1], torch.arange(sl.start, sl.stop)[None], hidden[:, sl],
                              **kwargs)
 
-    with torch._dynamo.config.patch(error_on_recompile=True), intra_op_threads(1):  # the count it was compiled at
+    with torch._dynamo.config.patch(error_on_recompile=True):
         first = [feed(d, 0, prompt) for d in (compiled, eager)]  # a new sequence: a K-row window; then K + 1 rows
         second = [feed(d, prompt, k + 1) for d in (compiled, eager)]
         for a, b in (first, second):

@@ -15,8 +15,6 @@ import torch
 from inkling_compiled.runtime import Drafter, speculative_generate
 from inkling_compiled.training.distill import load_metrics
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 NEW_TOKENS = 14
 MAX_PROMPT = {2: 3, 3: 4, 8: 9}  # prefill windows are decode windows: K = 2 -> 2, 3 rows; 3 -> 3, 4; 8 -> 8, 9
 COMPILED = 8  # the session's compiled K = 8 drafter (tests/runtime/conftest.py)
