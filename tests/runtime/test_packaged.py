@@ -19,9 +19,7 @@ from inkling_compiled.runtime import Drafter, PackageError, PackageMismatch, pac
 from inkling_compiled.testing.kernel_stats import aoti_package_sources, aoti_package_stats
 from tests.helpers import random_mtp, tiny_text_config
 
-# tests/runtime/test_drafter.py's geometry: the K = 1 reference drafter's graphs (depth 0 and the shared head only,
-# the same graphs as that file's 2-depth model's) then come from the FX graph cache in a whole-suite run
-BATCH, MAX_LENGTH, VOCAB, H = 4, 256, 250, 64
+BATCH, MAX_LENGTH, VOCAB, H = 2, 192, 250, 64
 DEPTHS = dict(num_mtp_layers=3, mtp_local_layer_ids=[0, 2])  # depth 1 full attention, depths 0 and 2 sliding
 ROUNDS = 64
 KERNEL_DEFINITION = re.compile(r'extern "C"\s+void\s+(cpp_fused_\w+)\(')
@@ -130,10 +128,10 @@ def test_packaged_rounds_equal_the_compiled_drafter_over_64_rounds_and_every_acc
 def test_one_step_per_depth_geometry_serves_every_depth_of_it(packages):
     manifest = read_manifest(packages[3])
     assert manifest["layout"]["depth_steps"] == [0, 1, 0]  # depth 2 runs depth 0's step (both sliding)
-    assert sorted(manifest["steps"]) == ["b4-r4-greedy-depth0", "b4-r4-greedy-depth1", "b4-r4-greedy-window"]
-    window = manifest["steps"]["b4-r4-greedy-window"]
+    assert sorted(manifest["steps"]) == ["b2-r4-greedy-depth0", "b2-r4-greedy-depth1", "b2-r4-greedy-window"]
+    window = manifest["steps"]["b2-r4-greedy-window"]
     assert sorted(window["constants"]) == ["history.hidden", "history.input_ids", "history.positions"]
-    depth = manifest["steps"]["b4-r4-greedy-depth0"]["constants"]
+    depth = manifest["steps"]["b2-r4-greedy-depth0"]["constants"]
     assert {name.split(".")[0] for name in depth} == {"layer", "shared", "cache"}
     assert "shared.lm_head_weight" in depth and "layer.input_proj.weight" in depth and "cache.k" in depth
 
@@ -231,7 +229,7 @@ def test_a_missing_or_damaged_package_is_a_clear_error(model, copied, tmp_path):
     (lambda m: m.update(format="other/9"), "not a package manifest of format"),
     (lambda m: m.pop("steps"), "'steps' must be an object"),
     (lambda m: m["layout"].pop("buckets"), "layout lacks 'buckets'"),
-    (lambda m: m["steps"].pop("b4-r2-greedy-depth0"), "the manifest has no step 'b4-r2-greedy-depth0'"),
+    (lambda m: m["steps"].pop("b2-r2-greedy-depth0"), "the manifest has no step 'b2-r2-greedy-depth0'"),
     (lambda m: m["layout"].update(max_length=64), r"needs tensors this model and drafter do not have: cache\.conv"),
 ])
 def test_a_damaged_manifest_is_a_clear_error(model, copied, edit, match):
@@ -255,7 +253,7 @@ def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(com
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(batch_sizes=(5,)), "exceeds the drafter's max_batch_size 4"),
+    (dict(batch_sizes=(3,)), "exceeds the drafter's max_batch_size 2"),
     (dict(rows=(0,)), "each of rows must be an int >= 1"),
     (dict(sampled=1), "sampled must be a bool"),
 ])
