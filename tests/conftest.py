@@ -8,14 +8,12 @@ from inkling_compiled.training import distill
 from tests.helpers import QUICK_DISTILL
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """One intra-op thread for a module's tests: on 2 shared cores it is several times faster (and steadier) for
-    these tiny shapes."""
-    before = torch.get_num_threads()
+def pytest_configure(config):
+    """One intra-op thread for the whole session, on CI's 2 cores: these tiny shapes run faster and steadier on one
+    (Inductor's C++ compile workers keep the other core), and a compiled graph serves every later test of its
+    geometry only at the thread count it was compiled at (Dynamo guards on the count, and a CPU kernel keeps it).
+    A test that needs more threads would set them itself; none does."""
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -26,11 +24,6 @@ def tiny_checkpoint():
 
 @pytest.fixture(scope="session")
 def quick_distilled(tiny_checkpoint, tmp_path_factory):
-    """``tiny_checkpoint`` self-distilled with :data:`QUICK_DISTILL` (one intra-op thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return distill.distill(tiny_checkpoint, tmp_path_factory.mktemp("distill") / "tiny-distilled", progress=False,
-                               **QUICK_DISTILL)
-    finally:
-        torch.set_num_threads(before)
+    """``tiny_checkpoint`` self-distilled with :data:`QUICK_DISTILL`."""
+    return distill.distill(tiny_checkpoint, tmp_path_factory.mktemp("distill") / "tiny-distilled", progress=False,
+                           **QUICK_DISTILL)

@@ -1,12 +1,9 @@
 """The benchmark's end-to-end section on a self-distilled tiny target: every method runs, greedy speculative
 decoding is lossless, and the section's record is valid."""
 
-import pytest
 
 from bench.e2e import E2EConfig, run_e2e
 from bench.records import E2E, problems
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_e2e_section_on_the_distilled_target(quick_distilled):

@@ -10,8 +10,6 @@ from bench.records import Depths, problems
 from inkling_compiled.runtime import SpeculativeOutput
 from inkling_compiled.training import text_target as T
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def output(per_round, emitted, rows=1, k=3):
     return SpeculativeOutput(sequences=torch.zeros(1, 1, dtype=torch.long), num_new_tokens=sum(emitted) + 1,

@@ -3,13 +3,9 @@ tokens: every configuration reproduces the target's greedy tokens, and the table
 
 import json
 
-import pytest
-
 from bench.perrow import PerRowConfig, format_table, run_perrow
 from bench.records import PerRow, problems
 from inkling_compiled.testing.synthetic import cached_checkpoint
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_perrow_figures_and_table():

@@ -8,6 +8,10 @@ from inkling_compiled.runtime import Drafter
 from tests.helpers import random_mtp
 
 PROMPT = 11
+# The compiled tests of this file share one geometry, so that they share three graphs (the prefill of PROMPT rows
+# padded to 16, windows of 1 and 2 rows): compiled once, then served by the FX graph cache (~20 s each, cold, on a
+# 2-core CPU). Batch bucket 4, max_length 256 (64 decode steps fit).
+MAX_BATCH, MAX_LENGTH = 4, 256
 
 
 def stream(batch, length, seed=0, device="cpu", dtype=torch.float32):
@@ -39,7 +43,7 @@ WINDOWS = [1, 2, 2, 1, 1, 2, 1, 2, 2, 2]
 def test_compiled_drafter_matches_eager_model():
     model = random_mtp()
     ids, positions, hidden = stream(3, PROMPT + sum(WINDOWS))
-    compiled = run_decode(Drafter(model, max_batch_size=4, max_length=64,
+    compiled = run_decode(Drafter(model, max_batch_size=MAX_BATCH, max_length=MAX_LENGTH,
                                   num_speculative_tokens=1), ids, positions, hidden, WINDOWS)
     # eager reference: the full-sequence forward's top tokens at each window's last row
     full = model(ids, positions, hidden)
@@ -56,8 +60,9 @@ def test_no_recompiles_over_64_decode_steps():
     model = random_mtp()
     windows = [1, 2] * 32
     ids, positions, hidden = stream(2, PROMPT + sum(windows))
-    drafter = Drafter(model, max_batch_size=2, max_length=256, num_speculative_tokens=1)
-    run_decode(drafter, ids, positions, hidden, windows[:2])  # compiles the prefill, 1-row and 2-row shapes
+    drafter = Drafter(model, max_batch_size=MAX_BATCH, max_length=MAX_LENGTH, batch_buckets=(MAX_BATCH,),
+                      num_speculative_tokens=1)
+    run_decode(drafter, ids, positions, hidden, windows[:2])  # the prefill, 1-row and 2-row shapes
     with torch._dynamo.config.patch(error_on_recompile=True):
         results = run_decode(drafter, ids, positions, hidden, windows)
     assert len(results) == 65
@@ -66,7 +71,8 @@ def test_no_recompiles_over_64_decode_steps():
 @torch.no_grad()
 def test_batch_sizes_within_a_bucket_share_one_compiled_step():
     model = random_mtp()
-    drafter = Drafter(model, max_batch_size=4, max_length=64, batch_buckets=(1, 2, 4), num_speculative_tokens=1)
+    drafter = Drafter(model, max_batch_size=MAX_BATCH, max_length=MAX_LENGTH, batch_buckets=(1, 2, MAX_BATCH),
+                      num_speculative_tokens=1)
     ids, positions, hidden = stream(4, PROMPT + 4)
 
     def step(batch, column):
@@ -117,8 +123,8 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
     unpadded calls (the draft comes from the row at its largest position, not from the last column)."""
     model = random_mtp()
     ids, _, hidden = stream(3, 16)
-    drafter = Drafter(model, max_batch_size=3, max_length=64, compile=compile, batch_buckets=(3,),
-                      num_speculative_tokens=1)
+    drafter = Drafter(model, max_batch_size=MAX_BATCH, max_length=MAX_LENGTH, compile=compile,
+                      batch_buckets=(MAX_BATCH,), num_speculative_tokens=1)  # 3 sequences, a fourth of padding
     alone = [Drafter(model, max_batch_size=1, max_length=64, compile=False, num_speculative_tokens=1) for _ in range(3)]
     for layout in PADDED_CALLS:
         result = drafter.draft(*rows_at(ids, hidden, layout))

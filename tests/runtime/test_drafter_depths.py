@@ -5,7 +5,6 @@ the per-depth draft distributions, the CUDA-graph contract (CPU stand-in), and n
 import pytest
 import torch
 
-from inkling_compiled import passes
 from inkling_compiled.runtime import Drafter
 from tests.helpers import random_mtp, tiny_text_config
 from tests.runtime.test_drafter import cuda, emulate_graphs
@@ -231,14 +230,16 @@ def test_graph_path_replays_the_whole_round(monkeypatch, model, temperature):
 
 
 @torch.no_grad()
-def test_compiled_k8_matches_eager_without_recompiles_and_the_passes_fire(model):
-    """K = 8 compiled: one graph per depth geometry and window size (the passes fire in each), then 64 rounds at
-    advancing positions with every accepted count 0..8 and no recompile; drafts equal the eager drafter's."""
+def test_compiled_k8_matches_eager_without_recompiles_and_the_passes_fire(compiled_k8):
+    """K = 8 compiled (the session's distilled tiny8 drafter, compiled once in tests/runtime/conftest.py): one graph
+    per depth geometry and window size (the passes fire in each), then a prefill and 65 rounds at advancing positions
+    with every accepted count 0..8 and no recompile; drafts equal the eager drafter's."""
+    compiled, matches = compiled_k8
+    # two geometries x two window sizes, each graph with its embedding + norms + concat and its muP head fused
+    assert matches == {"fuse_draft_input_embed": 4, "fuse_draft_input": 0, "fold_mup_scale": 4}
     k, prompt = 8, 8
     tokens, hidden = committed_stream(prompt + 64 * (k + 1))
-    options = {"options": {"fx_graph_cache": False}}  # a cache hit would skip our passes (their counts stay 0)
-    compiled = Drafter(model, 1, 640, num_speculative_tokens=k, compile_options=options)
-    eager = Drafter(model, 1, 640, compile=False, num_speculative_tokens=k)
+    eager = Drafter(compiled.model, 1, compiled.max_length, compile=False, num_speculative_tokens=k)
     tokens, hidden = tokens[:1], hidden[:1]
 
     def feed(drafter, start, rows, **kwargs):
@@ -246,15 +247,12 @@ def test_compiled_k8_matches_eager_without_recompiles_and_the_passes_fire(model)
         return drafter.draft(tokens[:, sl.start + 1:sl.stop + 1], torch.arange(sl.start, sl.stop)[None], hidden[:, sl],
                              **kwargs)
 
-    passes.reset_match_counts()
-    first = [feed(d, 0, prompt) for d in (compiled, eager)]  # the prefill: a K-row window; then a K + 1-row one
-    second = [feed(d, prompt, k + 1) for d in (compiled, eager)]
-    # two geometries x two window sizes, each graph with its embedding + norms + concat and its muP head fused
-    assert passes.match_counts() == {"fuse_draft_input_embed": 4, "fuse_draft_input": 0, "fold_mup_scale": 4}
-    for a, b in (first, second):
-        assert torch.equal(a.drafts, b.drafts)
-    start = prompt + k + 1
     with torch._dynamo.config.patch(error_on_recompile=True):
+        first = [feed(d, 0, prompt) for d in (compiled, eager)]  # a new sequence: a K-row window; then K + 1 rows
+        second = [feed(d, prompt, k + 1) for d in (compiled, eager)]
+        for a, b in (first, second):
+            assert torch.equal(a.drafts, b.drafts)
+        start = prompt + k + 1
         for i in range(64):
             rows = i % (k + 2) or 1  # 1..9 verified rows: 0..8 accepted drafts
             a, b = feed(compiled, start, rows, validate=False), feed(eager, start, rows, validate=False)

@@ -78,7 +78,7 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def compiled(model, one_thread):
+def compiled(model):
     """The compiled drafter of each K (compiled on first use)."""
     return {k: Drafter(model, BATCH, MAX_LENGTH, num_speculative_tokens=k, graph_rows=setup["graph_rows"])
             for k, setup in SETUPS.items()}

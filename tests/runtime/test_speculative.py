@@ -24,7 +24,6 @@ from inkling_compiled.testing import synthetic
 from tests.helpers import random_mtp, tiny_text_config
 
 PAD = 0
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_target(*, vocab=128, unpadded=120, hidden=64, mlp=("dense", "sparse"), seed=0, init=0.2, mup=2.0):

@@ -28,7 +28,6 @@ from tests.runtime.test_speculative import (
     wrong_pattern,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 PAD = 0
 
 

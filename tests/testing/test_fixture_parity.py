@@ -12,7 +12,7 @@ from tests.helpers import both_libraries
 
 
 @pytest.fixture(scope="module")
-def models(one_thread, tiny_checkpoint):
+def models(tiny_checkpoint):
     return both_libraries(tiny_checkpoint)
 
 

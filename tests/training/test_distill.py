@@ -4,7 +4,6 @@ that rises, a result directory both libraries load."""
 import os
 from types import SimpleNamespace
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -12,9 +11,6 @@ from inkling_compiled import InklingMTP
 from inkling_compiled.training import distill as D
 from tests.helpers import QUICK_DISTILL as QUICK
 from tests.helpers import both_libraries
-
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 # ------------------------------------------------------------------------------------------------ alignment
 

@@ -18,7 +18,6 @@ from inkling_compiled.training import distill as D
 from inkling_compiled.training import text_target as T
 
 # the same thread count for every build: CPU results can depend on it
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
