@@ -48,3 +48,13 @@ def hidden_and_logits_step(mtp: InklingMTP, depth: int = 0):
         return hidden, mtp.compute_logits(hidden)
 
     return step
+
+
+def draft_rows(mtp: InklingMTP, batch: int = 2, length: int = 3, seed: int = 0):
+    """Random (input_ids, positions, previous_hidden) rows for one stateless depth call of ``mtp``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, mtp.config.logits_vocab_size, (batch, length), generator=g)
+    positions = torch.arange(length).expand(batch, length)
+    previous = torch.randn(batch, length, mtp.config.hidden_size, generator=g).to(mtp.dtype)
+    return ids, positions, previous
+

@@ -12,7 +12,7 @@ from inkling_compiled import CheckpointError, InklingMTP
 from inkling_compiled.model.int8 import Int8Linear, int8_linear, quantize_rows
 from inkling_compiled.testing.kernel_stats import compile_fresh
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
-from tests.helpers import hidden_and_logits_step, random_mtp
+from tests.helpers import draft_rows, hidden_and_logits_step, random_mtp
 
 BF16 = torch.bfloat16
 
@@ -20,14 +20,6 @@ BF16 = torch.bfloat16
 @pytest.fixture(scope="module")
 def checkpoint():
     return cached_checkpoint("tiny")
-
-
-def _rows(mtp, batch=2, length=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, mtp.config.logits_vocab_size, (batch, length), generator=g)
-    positions = torch.arange(length).expand(batch, length)
-    previous = torch.randn(batch, length, mtp.config.hidden_size, generator=g).to(mtp.dtype)
-    return ids, positions, previous
 
 
 # ------------------------------------------------------------------------------------------------ the math
@@ -144,7 +136,7 @@ def test_int8_head_folds_mup_into_the_gemm_no_pass_over_the_logits():
 def test_compiled_int8_step_keeps_the_draft_input_fusion(checkpoint):
     bf16 = InklingMTP.from_pretrained(checkpoint, dtype=BF16)
     int8 = InklingMTP.from_pretrained(checkpoint, quantize="int8")
-    ids, positions, previous = _rows(int8)
+    ids, positions, previous = draft_rows(int8)
     want = compile_fresh(hidden_and_logits_step(bf16), ids, positions, previous, passes=True)
     got = compile_fresh(hidden_and_logits_step(int8), ids, positions, previous, passes=True)
 
@@ -218,7 +210,7 @@ def test_float32_activations_are_refused_not_converted(checkpoint):
 def test_converting_a_quantized_model_to_float32_fails_at_the_next_call():
     mtp = random_mtp(dtype=BF16).quantize_("int8").to(torch.float32)
     with pytest.raises(ValueError, match=r"bfloat16 activations, this model runs in torch.float32"):
-        mtp(*_rows(mtp))
+        mtp(*draft_rows(mtp))
 
 
 def test_device_without_an_int8_kernel():

@@ -14,18 +14,10 @@ from torch import nn
 from inkling_compiled import InklingMTP
 from inkling_compiled.model import torchao_schemes
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
-from tests.helpers import random_mtp
+from tests.helpers import draft_rows, random_mtp
 
 BF16 = torch.bfloat16
 ao = torchao_schemes.import_quantization()
-
-
-def _rows(mtp, batch=2, length=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, mtp.config.logits_vocab_size, (batch, length), generator=g)
-    positions = torch.arange(length).expand(batch, length)
-    previous = torch.randn(batch, length, mtp.config.hidden_size, generator=g).to(mtp.dtype)
-    return ids, positions, previous
 
 
 def test_the_depth_linears_become_torchao_tensors_and_nothing_else_changes():
@@ -65,7 +57,7 @@ def test_torchao_int8_agrees_with_ours():
     logits up to 16 by 0.16 from ours and 0.19 from bf16 (ours: 0.20), the same top-1 everywhere."""
     reference = random_mtp(dtype=BF16)
     ours, theirs = random_mtp(dtype=BF16).quantize_("int8"), random_mtp(dtype=BF16).quantize_(ao.Int8WeightOnlyConfig())
-    rows = _rows(reference)
+    rows = draft_rows(reference)
     want, mine, got = (m(*rows).float() for m in (reference, ours, theirs))
     assert (got - mine).abs().max() <= 0.02 * want.abs().max()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()

@@ -144,31 +144,6 @@ def test_frozen_weights_of_one_depth_never_serve_another():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @torch.no_grad()
-def test_int8_drafter_with_cuda_graphs_matches_its_compiled_step():
-    """CUDA: the fast path (coordinate-descent tuning) under CUDA graphs drafts what the same compiled step drafts
-    without graphs, and stays close to the eager int8 model."""
-    mtp = InklingMTP.from_pretrained(cached_checkpoint("tiny"), quantize="int8", device="cuda")
-    graphs = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,), num_speculative_tokens=1)
-    plain = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,), cuda_graphs=False,
-                    num_speculative_tokens=1)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(8, 500, (2, 6), generator=gen).cuda()
-    hidden = torch.randn(2, 6, mtp.config.hidden_size, generator=gen).to(device="cuda", dtype=BF16)
-    positions = torch.arange(6, device="cuda")[None].expand(2, 6).contiguous()
-    # the two decode shapes only; the second drafter's compiles are FX graph cache hits of the first's
-    for start, rows in ((0, 2), (2, 1), (3, 2), (5, 1)):
-        window = slice(start, start + rows)
-        a = graphs.draft(ids[:, window], positions[:, window], hidden[:, window])
-        b = plain.draft(ids[:, window], positions[:, window], hidden[:, window])
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden, b.hidden)
-    assert graphs.uses_graph(2, 1) and graphs._shapes[(2, 1, False)].graph is not None
-    eager = mtp(ids, positions, hidden, cache=mtp.new_cache(2, 64))[:, -1]
-    assert (a.hidden.float() - eager.float()).abs().max() <= 0.05 * eager.float().abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@torch.no_grad()
 def test_int8_step_on_cuda_never_casts_a_whole_weight():
     """The compiled CUDA step reads the int8 weights as they are: no bf16 buffer shaped like a weight."""
     import re
@@ -193,17 +168,20 @@ def _float8_gemms() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @torch.no_grad()
-@pytest.mark.parametrize("config_name", [
-    "Int8WeightOnlyConfig",
-    pytest.param("Float8DynamicActivationFloat8WeightConfig",
+@pytest.mark.parametrize("scheme, tolerance", [
+    ("int8", 0.05),
+    ("Int8WeightOnlyConfig", 0.05),
+    pytest.param("Float8DynamicActivationFloat8WeightConfig", 0.1,
                  marks=pytest.mark.skipif(not _float8_gemms(), reason="float8 GEMMs need sm89+")),
 ])
-def test_torchao_drafter_with_cuda_graphs_matches_its_compiled_step(config_name):
-    """CUDA, torchao schemes (the H200's float8 GEMM among them): CUDA graphs draft what the compiled step drafts
-    without graphs, and the hidden state stays near the bf16 model's (float8 also rounds the activations)."""
-    config = getattr(torchao_schemes.import_quantization(), config_name)()
+def test_quantized_drafter_with_cuda_graphs_matches_its_compiled_step(scheme, tolerance):
+    """CUDA, ours and torchao's schemes (the H200's float8 GEMM among them): the fast path (coordinate-descent
+    tuning) under CUDA graphs drafts what the same compiled step drafts without graphs, and the hidden state stays
+    near the bf16 model's (float8 also rounds the activations)."""
+    if scheme != "int8":
+        scheme = getattr(torchao_schemes.import_quantization(), scheme)()
     reference = InklingMTP.from_pretrained(cached_checkpoint("tiny"), dtype=BF16, device="cuda")
-    mtp = InklingMTP.from_pretrained(cached_checkpoint("tiny"), quantize=config, device="cuda")
+    mtp = InklingMTP.from_pretrained(cached_checkpoint("tiny"), quantize=scheme, device="cuda")
     graphs = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,), num_speculative_tokens=1)
     plain = Drafter(mtp, max_batch_size=2, max_length=64, batch_buckets=(2,), cuda_graphs=False,
                     num_speculative_tokens=1)
@@ -211,11 +189,12 @@ def test_torchao_drafter_with_cuda_graphs_matches_its_compiled_step(config_name)
     ids = torch.randint(8, 500, (2, 6), generator=gen).cuda()
     hidden = torch.randn(2, 6, mtp.config.hidden_size, generator=gen).to(device="cuda", dtype=BF16)
     positions = torch.arange(6, device="cuda")[None].expand(2, 6).contiguous()
+    # the two decode shapes only; the second drafter's compiles are FX graph cache hits of the first's
     for start, rows in ((0, 2), (2, 1), (3, 2), (5, 1)):
         window = slice(start, start + rows)
         a = graphs.draft(ids[:, window], positions[:, window], hidden[:, window])
         b = plain.draft(ids[:, window], positions[:, window], hidden[:, window])
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden, b.hidden)
-    assert graphs._shapes[(2, 1, False)].graph is not None
+    assert graphs.uses_graph(2, 1) and graphs._shapes[(2, 1, False)].graph is not None
     want = reference(ids, positions, hidden, cache=reference.new_cache(2, 64))[:, -1].float()
-    assert (a.hidden.float() - want).abs().max() <= 0.1 * want.abs().max()
+    assert (a.hidden.float() - want).abs().max() <= tolerance * want.abs().max()
