@@ -442,6 +442,17 @@ def perrow_section(s: Settings) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ CLI
 
+def _positive_ints(p: argparse.ArgumentParser, flag: str, value: str, what: str) -> tuple[int, ...]:
+    """A comma-separated list of integers >= 1; the parser's error naming ``flag`` otherwise."""
+    try:
+        numbers = tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        p.error(f"{flag} must be comma-separated integers, got {value!r}")
+    if not numbers or min(numbers) < 1:
+        p.error(f"{flag} must name {what}, got {value!r}")
+    return numbers
+
+
 def parse_args(argv=None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -501,18 +512,8 @@ def parse_args(argv=None) -> Settings:
                 f"{', '.join(OPT_IN)}")
     if with_ & skip:
         p.error(f"section(s) both skipped and asked for with --with: {sorted(with_ & skip)}")
-    try:
-        batch_sizes = tuple(int(b) for b in a.batch_sizes.split(",") if b.strip())
-    except ValueError:
-        p.error(f"--batch-sizes must be comma-separated integers, got {a.batch_sizes!r}")
-    if not batch_sizes or min(batch_sizes) < 1:
-        p.error(f"--batch-sizes must name at least one batch size >= 1, got {a.batch_sizes!r}")
-    try:
-        ks = tuple(int(k) for k in a.ks.split(",") if k.strip())
-    except ValueError:
-        p.error(f"--ks must be comma-separated integers, got {a.ks!r}")
-    if not ks or min(ks) < 1:
-        p.error(f"--ks must name one or more K values, each >= 1, got {a.ks!r}")
+    batch_sizes = _positive_ints(p, "--batch-sizes", a.batch_sizes, "at least one batch size >= 1")
+    ks = _positive_ints(p, "--ks", a.ks, "one or more K values, each >= 1")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False")
     max_length = a.max_length or a.context + 64
