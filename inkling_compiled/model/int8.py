@@ -117,3 +117,15 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, int8 weight-only"
+
+
+def quantize_linears(module: nn.Module) -> tuple[int, int]:
+    """Every ``nn.Linear`` in ``module`` replaced by its :class:`Int8Linear`, in place: (bytes before, after)."""
+    before = after = 0
+    for path, linear in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]:
+        parent, _, attr = path.rpartition(".")
+        quantized = Int8Linear.quantize(linear.weight)
+        setattr(module.get_submodule(parent), attr, quantized)
+        before, after = before + linear.weight.nbytes, after + quantized.nbytes
+    return before, after
+

@@ -123,14 +123,7 @@ class InklingMTP(nn.Module):
             before, after = torchao_schemes.quantize_linears(self.layers, scheme)  # all depths or none
             name = torchao_schemes.scheme_name(scheme)
         else:
-            before = after = 0
-            for depth in self.layers:
-                for path, linear in [(n, m) for n, m in depth.named_modules() if isinstance(m, nn.Linear)]:
-                    parent, _, attr = path.rpartition(".")
-                    quantized = Int8Linear.quantize(linear.weight)
-                    setattr(depth.get_submodule(parent), attr, quantized)
-                    before, after = before + linear.weight.nbytes, after + quantized.nbytes
-            name = scheme
+            (before, after), name = int8.quantize_linears(self.layers), scheme
         if head:
             rows = self.lm_head_weight[: self.config.logits_vocab_size]
             self.quantized_head = Int8Linear.quantize(rows, 1.0 / self.config.mup)
