@@ -162,6 +162,26 @@ def run_e2e(checkpoint, *, ks=(1,), prompts: torch.Tensor | None = None, count: 
     methods = {"target": alone, **({"target_loop": loop} if target_loop else {}),
                **({"hf_mtp": transformers_mtp} if hf_mtp else {}), **({"ours_eager": ours(1, False)} if eager else {})}
     methods.update({f"ours_compiled_k{k}": ours(k, True) for k in ks if compiled and k <= mtp.config.num_depths})
+    figures = interleaved(methods, rows)
+    base = figures["target"]["tokens"] / figures["target"]["seconds"]
+    record = E2E(target_label or "distilled synthetic target, random prompts", str(checkpoint), len(rows),
+                 rows[0].shape[1], new_tokens, text.num_mtp_layers, distill=distill_metrics)
+    for name, f in figures.items():
+        tokens_per_s = f["tokens"] / f["seconds"]
+        record.methods[name] = {
+            "k": int(name.rsplit("_k", 1)[1]) if "_k" in name else 1 if name == "ours_eager" else None,
+            "tokens_per_s": tokens_per_s, "ms_per_token": 1e3 * f["seconds"] / f["tokens"],
+            "speedup_vs_target": tokens_per_s / base, "new_tokens": f["tokens"], "seconds": f["seconds"],
+            "warmup_s": f["warmup_s"], "acceptance": f["accepted"] / f["drafted"] if f["drafted"] else None,
+            "drafted": f["drafted"], "accepted": f["accepted"], "rounds": f["rounds"],
+            "tokens_per_round": (f["tokens"] - len(rows)) / f["rounds"] if f["rounds"] else None,
+            "outputs_match_target": None if name == "target" else f["matches"] == len(rows)}
+    return record
+
+
+def interleaved(methods: dict, rows: list[torch.Tensor]) -> dict[str, dict]:
+    """Each method's seconds, tokens, draft counts and prompts matching the target, after one untimed warm-up each;
+    the methods take turns prompt by prompt (order rotating), so drift on a shared machine hits them alike."""
     figures = {name: dict(seconds=0.0, tokens=0, drafted=0, accepted=0, rounds=0, matches=0) for name in methods}
     with torch.no_grad():
         for name, fn in methods.items():
@@ -182,22 +202,9 @@ def run_e2e(checkpoint, *, ks=(1,), prompts: torch.Tensor | None = None, count: 
                 for key, n in zip(("drafted", "accepted", "rounds"), counts or ()):
                     f[key] += n
             for name, new in news.items():
-                f, n = figures[name], min(new.shape[1], news["target"].shape[1])
-                f["matches"] += int(torch.equal(new[:, :n], news["target"][:, :n]))
-    base = figures["target"]["tokens"] / figures["target"]["seconds"]
-    record = E2E(target_label or "distilled synthetic target, random prompts", str(checkpoint), len(rows),
-                 rows[0].shape[1], new_tokens, text.num_mtp_layers, distill=distill_metrics)
-    for name, f in figures.items():
-        tokens_per_s = f["tokens"] / f["seconds"]
-        record.methods[name] = {
-            "k": int(name.rsplit("_k", 1)[1]) if "_k" in name else 1 if name == "ours_eager" else None,
-            "tokens_per_s": tokens_per_s, "ms_per_token": 1e3 * f["seconds"] / f["tokens"],
-            "speedup_vs_target": tokens_per_s / base, "new_tokens": f["tokens"], "seconds": f["seconds"],
-            "warmup_s": f["warmup_s"], "acceptance": f["accepted"] / f["drafted"] if f["drafted"] else None,
-            "drafted": f["drafted"], "accepted": f["accepted"], "rounds": f["rounds"],
-            "tokens_per_round": (f["tokens"] - len(rows)) / f["rounds"] if f["rounds"] else None,
-            "outputs_match_target": None if name == "target" else f["matches"] == len(rows)}
-    return record
+                n = min(new.shape[1], news["target"].shape[1])
+                figures[name]["matches"] += int(torch.equal(new[:, :n], news["target"][:, :n]))
+    return figures
 
 
 def measure(ctx: Context) -> E2E:

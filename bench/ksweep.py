@@ -103,6 +103,25 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
+def _batch1(singles, ks, hf_mtp: bool, reference, alone, ours, transformers_mtp):
+    """Batch-1 seconds per method, our outputs (with whether they equal the target's), transformers' rounds."""
+    progress(f"ksweep: end to end, {len(singles)} prompt(s), methods interleaved")
+    seconds, outputs = dict.fromkeys(["target", "hf_mtp", *ks], 0.0), {k: [] for k in ks}
+    hf_rounds, hf_same = [], True
+    for i, p in enumerate(singles):
+        seconds["target"] += _timed(lambda p=p: alone(p))[1]
+        if hf_mtp:
+            (out, rounds), t = _timed(lambda p=p: transformers_mtp(p))
+            seconds["hf_mtp"] += t
+            hf_rounds += rounds
+            hf_same &= torch.equal(out, reference[i])
+        for k in ks:
+            out, t = _timed(lambda k=k, p=p: ours(k, p))
+            seconds[k] += t
+            outputs[k].append((out, torch.equal(out.sequences, reference[i])))
+    return seconds, outputs, hf_rounds, hf_same
+
+
 def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Tensor | None = None,
                target_label: str = "") -> Depths:
     """The sweep on ``checkpoint`` (a distilled raw-layout directory), CPU fp32; Ks beyond its depths left out."""
@@ -146,20 +165,8 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             progress(f"ksweep: K={k} warm-up (compiles the drafter's windows)")
             compile_s[k] = _timed(lambda k=k: ours(k, singles[0]))[1]
             ours(k, batch_ids, batch_mask, batch=True)
-        progress(f"ksweep: end to end, {len(singles)} prompt(s) x {cfg.new_tokens} tokens, methods interleaved")
-        seconds, outputs = dict.fromkeys(["target", "hf_mtp", *ks], 0.0), {k: [] for k in ks}
-        hf_rounds, hf_same = [], True
-        for i, p in enumerate(singles):
-            seconds["target"] += _timed(lambda p=p: alone(p))[1]
-            if cfg.hf_mtp:
-                (out, rounds), t = _timed(lambda p=p: transformers_mtp(p))
-                seconds["hf_mtp"] += t
-                hf_rounds += rounds
-                hf_same &= torch.equal(out, reference[i])
-            for k in ks:
-                out, t = _timed(lambda k=k, p=p: ours(k, p))
-                seconds[k] += t
-                outputs[k].append((out, torch.equal(out.sequences, reference[i])))
+        seconds, outputs, hf_rounds, hf_same = _batch1(singles, ks, cfg.hf_mtp, reference, alone, ours,
+                                                       transformers_mtp)
         progress(f"ksweep: one left-padded batch of {PADDED_BATCH}, every K")
         batch_target_s = _timed(lambda: alone(batch_ids, batch_mask))[1]
         batched = {k: _timed(lambda k=k: ours(k, batch_ids, batch_mask, batch=True)) for k in ks}

@@ -244,15 +244,7 @@ def _batch(ctx: Context, models: Models, batch: int, copy_bw: float | None, kern
         built = compiled("compiled", True)
         if built is not None and models.device.type == "cpu":
             variants["compiled_call"] = built.drafter.static_step(*inputs.positions.shape)
-    if models.hf_mtp is not None and s.runs("peer"):
-        hf = attempt("hf_eager", lambda: HFStep(models, inputs))
-        if hf is not None:
-            variants["hf_eager"] = hf
-    if s.runs("floor"):
-        built = attempt("gemm_floor", lambda: gemm_floor(models, eager, inputs))
-        if built is not None:
-            variants["gemm_floor"], entry.gemms = built
-            entry.gemm_calls = sum(g["count"] for g in entry.gemms)
+    _references(s, models, eager, inputs, variants, entry, attempt)
     entry.step_bytes = step_bytes(models, batch, s.context)
     graphs_next = models.device.type == "cuda" and s.runs("compiled") and s.runs("cudagraph")
     budget = s.time_budget / 2 if graphs_next else s.time_budget
@@ -263,6 +255,20 @@ def _batch(ctx: Context, models: Models, batch: int, copy_bw: float | None, kern
         if compiled("cudagraph", True, graphs=True) is not None:
             _time(entry, variants, models.device, budget, copy_bw, tag)
     return entry
+
+
+def _references(s, models: Models, eager: Drafter, inputs: StepInputs, variants: dict, entry: StepLatency,
+                attempt) -> None:
+    """transformers' step and the GEMM floor beside ours (each may fail on its own)."""
+    if models.hf_mtp is not None and s.runs("peer"):
+        hf = attempt("hf_eager", lambda: HFStep(models, inputs))
+        if hf is not None:
+            variants["hf_eager"] = hf
+    if s.runs("floor"):
+        built = attempt("gemm_floor", lambda: gemm_floor(models, eager, inputs))
+        if built is not None:
+            variants["gemm_floor"], entry.gemms = built
+            entry.gemm_calls = sum(g["count"] for g in entry.gemms)
 
 
 def _time(entry: StepLatency, variants: dict, device: torch.device, budget: float, copy_bw: float | None,

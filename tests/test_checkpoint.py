@@ -24,6 +24,8 @@ from inkling_compiled import CheckpointError, ConfigError, InklingMTP
 from inkling_compiled.testing import synthetic as S
 from tests.helpers import random_mtp, tiny_text_config
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 SHARED = set(C.SHARED_RAW_KEYS)
 W13 = "transformer_block.mlp.w13_dn.weight"
 

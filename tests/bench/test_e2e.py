@@ -3,7 +3,11 @@ decoding is lossless, and the record is the section's dataclass."""
 
 import dataclasses
 
+import pytest
+
 from bench.e2e import E2E, run_e2e
+
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
 
 
 def test_e2e_section_on_the_distilled_target(quick_distilled):

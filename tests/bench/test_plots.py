@@ -12,6 +12,8 @@ import pytest
 from bench import e2e as e2e_section
 from bench import plots, report, run
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -23,6 +23,8 @@ from inkling_compiled.runtime.speculative import speculative_generate, target_di
 from inkling_compiled.testing import synthetic
 from tests.helpers import random_mtp, tiny_text_config
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 PAD = 0
 
 
