@@ -26,8 +26,9 @@ setup: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m bench run $(ARGS)
 
+# Where CI is set (.ci/run sets it) the `slow` tests run too; elsewhere `make test` leaves them out
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(if $(CI),,-m "not gpu and not slow") $(ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

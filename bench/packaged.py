@@ -15,6 +15,7 @@ import torch
 
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.kernel_stats import aoti_package_stats
+from inkling_compiled.testing.synthetic import default_cache_root
 
 from . import step as S
 from .harness import Context, error_text, progress, ratios, run_probe, table, time_variants
@@ -51,7 +52,23 @@ def make_drafter(models: Models, k: int, batch: int, max_length: int, *, compile
                    compile_options=S.compile_options(passes=True, fresh=False) if compile else None)
 
 
+def cached_package(models: Models, k: int, batch: int, max_length: int) -> tuple[Path, dict] | None:
+    """The package an earlier default run left in the cache, if this torch, these passes and this model still
+    accept it (``Drafter.load_compiled`` checks them): (its directory, its build record)."""
+    directory = package_cache(models, k, batch, max_length)
+    try:
+        Drafter.load_compiled(directory, models.mtp)
+        return directory, json.loads((directory / "bench.json").read_text())
+    except Exception:  # noqa: BLE001 - missing, stale or damaged: the caller builds it again
+        return None
+
+
+def package_cache(models: Models, k: int, batch: int, max_length: int) -> Path:
+    return default_cache_root().parent / "bench-packages" / f"{models.checkpoint.name}-k{k}-b{batch}-l{max_length}"
+
+
 def build_package(models: Models, k: int, batch: int, max_length: int, directory: Path) -> dict:
+    shutil.rmtree(directory, ignore_errors=True)
     start = time.perf_counter()
     make_drafter(models, k, batch, max_length, compile=True).save_compiled(directory, batch_sizes=(batch,), rows=(k,))
     save_s = time.perf_counter() - start
@@ -59,7 +76,9 @@ def build_package(models: Models, k: int, batch: int, max_length: int, directory
     steps = {name: {"seconds": step["seconds"], "matches": step["matches"],
                     "kernels": aoti_package_stats(directory / step["file"]).to_dict()}
              for name, step in manifest["steps"].items()}
-    return {"save_s": save_s, "bytes": sum(f.stat().st_size for f in directory.iterdir()), "steps": steps}
+    record = {"save_s": save_s, "bytes": sum(f.stat().st_size for f in directory.iterdir()), "steps": steps}
+    (directory / "bench.json").write_text(json.dumps(record))
+    return record
 
 
 def startup(base: dict, modes: tuple[str, ...], timeout: float) -> dict[str, dict]:
@@ -107,14 +126,19 @@ def latency(models: Models, k: int, batch: int, context: int, max_length: int, p
 
 def measure(ctx: Context, k: int = 1) -> Packaged:
     s, models = ctx.settings, ctx.models()
+    if models.checkpoint is None:
+        raise ValueError(f"the packaged section starts fresh processes from a checkpoint; {ctx.preset} has random "
+                         "weights here (--weights checkpoint)")
     batch = s.batch_sizes[0]
     record = Packaged(ctx.preset, k, batch, s.context, s.device, s.dtype, s.threads)
     work = Path(tempfile.mkdtemp(prefix="inkling-bench-packaged-"))
-    package = work / "package"
+    found = None if s.full else cached_package(models, k, batch, s.max_length)  # --full always builds afresh
+    package = found[0] if found else package_cache(models, k, batch, s.max_length) if not s.full else work / "p"
     base = {"checkpoint": str(models.checkpoint), "device": s.device, "dtype": s.dtype, "batch": batch, "k": k,
             "context": s.context, "max_length": s.max_length, "threads": s.threads, "package": str(package)}
     modes = ("package", "cold", "warm") if s.runs("startup_compile") else ("package",)
-    parts = {"package": lambda: build_package(models, k, batch, s.max_length, package),
+    parts = {"package": (lambda: {**found[1], "cached": str(package)}) if found else
+             (lambda: build_package(models, k, batch, s.max_length, package)),
              "startup": lambda: startup(base, modes, s.probe_timeout)}
     if s.runs("packaged_latency"):
         parts["latency"] = lambda: latency(models, k, batch, s.context, s.max_length, package, s.time_budget)
@@ -141,7 +165,9 @@ def lines(out: dict) -> list[str]:
              f"{out['device']} {out['dtype']} {out['threads']} thread(s), torch {out['torch']}"]
     if out["package"]:
         steps = ", ".join(f"{n} {v['seconds']:.1f} s" for n, v in out["package"]["steps"].items())
-        found.append(f"package: {out['package']['save_s']:.1f} s to build ({steps}), {out['package']['bytes']} bytes")
+        found.append(f"package: {out['package']['save_s']:.1f} s to build ({steps}), {out['package']['bytes']} bytes"
+                     + (f"; reused from {out['package']['cached']} (--full builds it afresh)"
+                        if "cached" in out["package"] else ""))
     found += [f"start-up {mode:8s} first draft {r['to_first_draft_s']:6.2f} s after the spawn: imports "
               f"{r['import_s']:.2f}, model {r['model_s']:.2f}, drafter {r['ready_s']:.2f}, first draft "
               f"{r['first_draft_s']:.2f} (FX cache hit/miss {r['fxgraph_cache_hit']}/{r['fxgraph_cache_miss']}, "
