@@ -38,7 +38,7 @@ def cpu_seconds() -> float:
 
 @dataclass
 class Stats:
-    """One variant's samples in milliseconds (on CPU each sample is a block mean of ``blocked_autorange``)."""
+    """One variant's per-call samples in milliseconds (on CPU each a mean over about half a millisecond of calls)."""
 
     median_ms: float
     p10_ms: float
@@ -59,15 +59,21 @@ class Stats:
 
 
 def samples_ms(fn: Callable[[], object], device: torch.device, seconds: float, timer=time.perf_counter) -> list[float]:
-    """Per-call milliseconds of ``fn`` over about ``seconds``: CUDA-event timings from ``do_bench`` on CUDA,
-    ``Timer.blocked_autorange`` block means elsewhere (``timer``: ``time.thread_time`` for CPU time)."""
+    """Per-call milliseconds of ``fn`` over about ``seconds``: CUDA-event timings from ``do_bench`` on CUDA; on CPU
+    ``torch.utils.benchmark.Timer.timeit`` samples of about half a millisecond each (short enough that the median
+    skips what another process's time slice adds on a shared machine; ``timer``: ``time.thread_time`` for CPU
+    time)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
         return list(do_bench(fn, warmup=max(1, int(seconds * 100)), rep=max(1, int(seconds * 1e3)),
                              return_mode="all"))
-    measured = benchmark.Timer("fn()", globals={"fn": fn}, timer=timer).blocked_autorange(min_run_time=seconds)
-    return [1e3 * t for t in measured.times]
+    measure = benchmark.Timer("fn()", globals={"fn": fn}, timer=timer)
+    number = max(1, int(5e-4 / max(measure.timeit(1).times[0], 1e-7)))
+    found, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(found) < 3:
+        found.append(1e3 * measure.timeit(number).times[0])
+    return found
 
 
 def time_variants(variants: dict[str, Callable[[], object]], *, device: torch.device, budget_s: float,
