@@ -20,11 +20,11 @@ from .layout import (
     raw_key,
 )
 from .reader import RawCheckpoint, open_checkpoint, read_header, read_index, stored_dtype
-from .writer import build_directory_atomically, save_checkpoint, write_files_atomically
+from .writer import save_checkpoint
 
 __all__ = [
     "ALIGNMENT", "CONFIG_FILE", "INDEX_FILE", "MTP_FILE", "MTP_PREFIX", "SAFETENSORS_DTYPES", "SHARED_FILE",
-    "SHARED_KEYS", "SHARED_RAW_KEYS", "W13_SUFFIX", "CheckpointError", "RawCheckpoint", "build_directory_atomically",
+    "SHARED_KEYS", "SHARED_RAW_KEYS", "W13_SUFFIX", "CheckpointError", "RawCheckpoint",
     "deinterleave_rows", "interleave_rows", "open_checkpoint", "raw_key", "read_header", "read_index",
-    "save_checkpoint", "stored_dtype", "write_files_atomically",
+    "save_checkpoint", "stored_dtype",
 ]

@@ -1,17 +1,13 @@
 """Saving the MTP head as a raw Inkling checkpoint directory (docs/model.md §3.7): ``config.json`` describing the
 model, ``mtp.safetensors`` with the w13 rows re-interleaved, by default the three shared tensors, and an existing
 index kept true. A save that would lose data is refused before anything is written, and the write is atomic
-(:func:`write_files_atomically`): on any failure the directory is left as it was.
+(:func:`~inkling_compiled.atomic_files.write_files_atomically`): on any failure the directory is left as it was.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -19,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..atomic_files import write_files_atomically
 from ..config import CONFIG_FILE, ConfigError, MTPConfig, parse_config_dict
 from .layout import (
     INDEX_FILE,
@@ -132,74 +129,6 @@ def _refuse_data_loss(path: Path, files: Mapping[str, Mapping[str, torch.Tensor]
 
 def _write_json(file: Path, data: dict) -> None:
     file.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def write_files_atomically(directory, files: Mapping[str, Callable[[Path], None]]) -> None:
-    """Write each of ``files`` (name -> writer of that file's bytes to a given path) into ``directory``, created if
-    needed, so that a failure anywhere leaves the directory exactly as it was.
-
-    Every file is first written to a hidden temporary in ``directory`` and flushed to disk (fsync); only when all of
-    them are, they are renamed into place (``os.replace``, atomic per file), in the order given (callers put
-    ``config.json`` last), then the directory itself is synced. On any error or interrupt before the renames the
-    temporaries are removed (and a directory this call created, with its parents). What is not atomic: the renames
-    as a sequence. A crash between two of them leaves some new files beside some old ones (config.json still the
-    old, since it goes last); a process killed outright (SIGKILL, power loss) before the renames leaves only
-    ``.*.tmp`` files beside the intact old checkpoint. Concurrent saves into one directory are not supported. A name
-    that is a symlink (a Hugging Face cache snapshot) is replaced as a link: the blob it points at is never written.
-    """
-    directory = Path(directory)
-    blocked = [name for name in files if (directory / name).exists() and not (directory / name).is_file()]
-    if blocked:  # found now, not at the second rename
-        raise IsADirectoryError(f"{directory}: {blocked} must be replaced by files, but are not files")
-    created = [p for p in (directory, *directory.parents) if not p.exists()]
-    directory.mkdir(parents=True, exist_ok=True)
-    temporaries: dict[Path, Path] = {}
-    try:
-        for name, write in files.items():
-            temporary = directory / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-            temporaries[temporary] = directory / name
-            write(temporary)
-            _fsync(temporary)
-        for temporary, final in temporaries.items():
-            os.replace(temporary, final)
-    except BaseException:
-        for temporary in temporaries:
-            temporary.unlink(missing_ok=True)
-        for created_dir in created:  # deepest first, each empty once the temporaries are gone
-            with contextlib.suppress(OSError):
-                created_dir.rmdir()
-        raise
-    with contextlib.suppress(OSError):  # best effort: not every file system syncs a directory
-        _fsync(directory)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def build_directory_atomically(final, build: Callable[[Path], None], *, complete: str) -> Path:
-    """Create ``final`` by ``build``-ing it under a temporary sibling name and renaming it into place, so that a
-    directory that exists is complete. If a concurrent builder got there first (``final/complete`` exists), its
-    copy wins and ours is discarded; on any failure nothing is left behind."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    temporary = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    temporary.mkdir()
-    try:
-        build(temporary)
-        try:
-            os.rename(temporary, final)
-        except OSError:
-            if not (final / complete).is_file():
-                raise
-    finally:
-        if temporary.exists():
-            shutil.rmtree(temporary, ignore_errors=True)
-    return final
 
 
 def _config_json(config: MTPConfig, dtype: torch.dtype) -> dict:

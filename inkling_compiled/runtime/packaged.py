@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint.writer import build_directory_atomically
+from ..atomic_files import build_directory_atomically
 from ..model.cache import DepthCache
 from ..model.mtp import InklingMTP, MTPDepth
 

@@ -25,8 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..atomic_files import build_directory_atomically
 from ..checkpoint.layout import INDEX_FILE, MTP_FILE, MTP_PREFIX, SHARED_FILE, SHARED_RAW_KEYS
-from ..checkpoint.writer import build_directory_atomically
 from ..config import CONFIG_FILE
 
 FORMAT_VERSION = 1  # bump when the written bytes change for the same (config, seed, dtype)

@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..atomic_files import build_directory_atomically
 from ..checkpoint.layout import INDEX_FILE, MTP_FILE
 from ..checkpoint.reader import read_header, stored_dtype
-from ..checkpoint.writer import build_directory_atomically
 from ..config import CONFIG_FILE, logits_vocab_size
 from ..testing.synthetic import cached_checkpoint, default_cache_root, greedy_generation_config, load_hf_target
 
