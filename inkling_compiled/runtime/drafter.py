@@ -38,6 +38,7 @@ import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -127,6 +128,8 @@ def decode_windows(num_speculative_tokens: int) -> tuple[int, int]:
 
 @dataclass
 class DraftResult:
+    """What one drafting round returns (the one result type of :class:`DraftSource`)."""
+
     drafts: torch.Tensor  # [B, K] drafted token ids d_1..d_K
     draft_probs: torch.Tensor | None  # [B, K, V] the distribution each draft was sampled from; None when greedy
     hidden: torch.Tensor  # [B, H] the last depth's output at each sequence's last row
@@ -141,6 +144,27 @@ class DraftResult:
         """[B, V] the distribution d_1 was sampled from; None when greedy."""
         return None if self.draft_probs is None else self.draft_probs[:, 0]
 
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """What :func:`~inkling_compiled.runtime.speculative.speculative_generate` needs of a drafter (:class:`Drafter`
+    is one; the tests' stand-ins are others).
+
+    ``draft`` runs one round over rows [B, T] (row t: target hidden at ``positions[b, t]``, committed token at
+    ``positions[b, t] + 1``; negative positions mark padding) and drafts ``num_speculative_tokens`` tokens after each
+    sequence's last real row; ``draft_probs`` must be given when ``temperature > 0``. The loop validates its inputs
+    up front against ``max_batch_size`` and ``max_length`` and then calls ``draft(..., validate=False)``. A drafter
+    with a ``model`` attribute (an ``InklingMTP``) has its device, dtype, vocabulary and hidden size checked against
+    the target too.
+    """
+
+    max_batch_size: int
+    max_length: int
+    num_speculative_tokens: int
+
+    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, *,
+              temperature: float = 0.0, generator: torch.Generator | None = None,
+              validate: bool = True) -> DraftResult: ...
 
 
 class CommittedRows:

@@ -91,7 +91,7 @@ from transformers import DynamicCache
 from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
-from .drafter import check_generator, check_temperature
+from .drafter import DraftResult, DraftSource, check_generator, check_temperature
 from .target_cache import rollback_rows, select_rows
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
@@ -225,6 +225,9 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     check_temperature(temperature)
+    if not isinstance(drafter, DraftSource):
+        raise ValueError(f"drafter must follow the DraftSource protocol (draft, max_batch_size, max_length, "
+                         f"num_speculative_tokens), got {type(drafter).__name__}")
     if not isinstance(lockstep, bool):
         raise ValueError(f"lockstep must be a bool, got {lockstep!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
@@ -293,7 +296,8 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
 # the loop
 
 
-def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor | None = None, *,
                          max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                          eos_token_id: int | list[int] | torch.Tensor | None = None, pad_token_id: int | None = None,
                          generator: torch.Generator | None = None, lockstep: bool = False) -> SpeculativeOutput:
@@ -321,14 +325,12 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mas
                     generator=generator, lockstep=lockstep)
 
 
-def _proposals(result, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(drafts [B, K], draft distributions [B, K, V] or None) of a draft result (see the module doc)."""
-    drafts = getattr(result, "drafts", None)
-    if drafts is not None:
-        probs = result.draft_probs
-    else:  # a one-draft drafter: tokens [B], probs [B, V]
-        drafts, probs = result.tokens[:, None], None if result.probs is None else result.probs[:, None]
-    return drafts.to(device=device, dtype=torch.long), None if probs is None else probs.to(device)
+def _proposals(result: DraftResult, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(drafts [B, K], draft distributions [B, K, V] or None) of a draft result, on the loop's device."""
+    if not isinstance(result, DraftResult):
+        raise TypeError(f"drafter.draft must return a DraftResult, got {type(result).__name__}")
+    probs = result.draft_probs
+    return result.drafts.to(device=device, dtype=torch.long), None if probs is None else probs.to(device)
 
 
 def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperature, top_p, eos, pad_token_id,
@@ -358,7 +360,7 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
     cache.activate_past_recording()  # after the prefill: only the verify rows need history for the rollback
 
     if max_new_tokens == 1 or (eos_t is not None and bool(finished.all())):  # done: no draft needed
-        return _output(input_ids, first[:, None], [], getattr(drafter, "num_speculative_tokens", 1))
+        return _output(input_ids, first[:, None], [], drafter.num_speculative_tokens)
 
     pad_left = length - attention_mask.sum(dim=1)  # [B]
     positions = torch.arange(length, device=device)[None, :] - pad_left[:, None]  # real-token positions, < 0 = pad
