@@ -65,7 +65,7 @@ class Sweep:
     points: list[SweepPoint]
     target_tokens_per_s: float
     baselines: dict[str, float]  # other ways of running the target alone: label -> tokens/s over target.generate's
-    draft_round_ms: dict[int, list[tuple[int, dict]]]  # batch -> [(K, records.Stats)], by K
+    draft_round_ms: dict[int, list[tuple[int, dict]]]  # batch -> [(K, harness.Stats as a dict)], by K
     source: str  # "K sweep" or "e2e section": where the figures come from, for the panel titles
 
 
@@ -132,7 +132,7 @@ def _style(method: str) -> dict:
 
 
 def _whiskers(stats: list[dict]) -> tuple[list[float], list[list[float]]]:
-    """Medians and their p10 / p90 distances (matplotlib's asymmetric ``yerr``) of ``records.Stats``."""
+    """Medians and their p10 / p90 distances (matplotlib's asymmetric ``yerr``) of ``harness.Stats`` dicts."""
     med = [s["median_ms"] for s in stats]
     return med, [[m - s["p10_ms"] for m, s in zip(med, stats)], [s["p90_ms"] - m for m, s in zip(med, stats)]]
 
@@ -269,7 +269,7 @@ def _startup_rows(result: dict) -> list[tuple[str, dict]]:
         if comp.get("warm"):
             rows.append((f"{name}: FX-cache " + ("hit" if comp["warm_cache_hit"] else "MISSED"), comp["warm"]))
         probe = ((cfg.get("packaged") or {}).get("startup") or {}).get("package")
-        if probe:  # records.StartupProbe in the parts of a compile probe
+        if probe:  # bench.probes.startup in the parts of a compile probe
             rows.append((f"{name}: packaged (AOTInductor)",
                          {"import_s": probe["import_s"], "load_s": probe["model_s"],
                           "first_call_s": probe["ready_s"] + probe["prefill_s"] + probe["first_draft_s"]}))

@@ -1,4 +1,4 @@
-"""The report image: drawn from a small synthetic result that conforms to ``bench/records.py``, a valid PNG of the
+"""The report image: drawn from a small synthetic result holding every section a run writes, a valid PNG of the
 size its layout gives, panels left out for the sections a run did not produce, and a benchmark run that ends with
 the image's path (or, without matplotlib, with how to get it)."""
 
