@@ -3,6 +3,7 @@ on CUDA), the one subprocess probe, JSON records and the table formatter."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -180,37 +181,9 @@ FULL_ONLY = frozenset({"kernels", "stock", "depths", "kcompile", "perrow", "pack
 OPT_IN = {"quant": frozenset({"tiny"})}
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Everything a run does, resolved once from the command line (:func:`bench.run.parse_args`)."""
-
-    configs: tuple[str, ...]
-    device: str
-    dtype: str
-    batch_sizes: tuple[int, ...]
-    context: int
-    max_length: int
-    weights: str | None
-    threads: int
-    skip: frozenset[str]
-    only: frozenset[str]
-    with_: frozenset[str]
-    full: bool
-    quick: bool
-    time_budget: float
-    recompile_steps: int
-    probe_timeout: float
-    e2e_prompts: int
-    e2e_tokens: int
-    e2e_target: str
-    e2e_ks: tuple[int, ...]
-    ks: tuple[int, ...]
-    k_seconds: float
-    full_sweep: bool
-    distill_steps: int | None
-    e2e_checkpoint: Path | None
-    json_path: Path
-    record: Path | None
+class Settings(argparse.Namespace):
+    """Everything a run does: the command line (:func:`bench.run.add_run_options`), resolved once
+    (:func:`bench.run.parse_args`): lists parsed, defaults of ``--quick`` / ``--full`` filled in."""
 
     def runs(self, part: str, preset: str | None = None) -> bool:
         """Whether ``part`` (a section or a part of one) runs, for ``preset`` where that matters."""

@@ -109,7 +109,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--with", dest="with_", default="", metavar="SECTIONS",
                    help="opt-in sections to run: " + "; ".join(f"{n} (off for {', '.join(sorted(v))})"
                                                              for n, v in OPT_IN.items()))
-    p.add_argument("--config", default="tiny", help="synthetic preset(s) for the step sections: tiny, small, full")
+    p.add_argument("--config", dest="configs", default="tiny", help="synthetic preset(s) for the step sections: tiny, small, full")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes of the latency section")
@@ -138,37 +138,35 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="append an entry to bench/RESULTS.md (or FILE)")
 
 
-def settings(p: argparse.ArgumentParser, a: argparse.Namespace) -> Settings:
-    section_names = [s.name for s in SECTIONS]
-    skip = _names(p, "--skip", a.skip, [*section_names, *PARTS])
-    with_ = _names(p, "--with", a.with_, list(OPT_IN))
-    if with_ & skip:
-        p.error(f"section(s) both skipped and asked for with --with: {sorted(with_ & skip)}")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda but torch.cuda.is_available() is False")
-    max_length = a.max_length or a.context + 64
-    if max_length <= a.context + 1:
-        p.error(f"--max-length must exceed --context + 1, got {max_length} with --context {a.context}")
-    level = 0 if a.quick else 2 if a.full else 1
-    counts = {k: getattr(a, k) if getattr(a, k) is not None else v[level] for k, v in COUNTS.items()}
-    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
-    return Settings(
-        configs=tuple(c.strip() for c in a.config.split(",") if c.strip()), device=a.device,
-        dtype=a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"),
-        batch_sizes=_positive_ints(p, "--batch-sizes", a.batch_sizes), context=a.context, max_length=max_length,
-        weights=a.weights, threads=a.threads or (1 if a.device == "cpu" else torch.get_num_threads()), skip=skip,
-        only=_names(p, "--only", a.only, section_names), with_=with_,
-        full=a.full, quick=a.quick, probe_timeout=a.probe_timeout, e2e_target=a.e2e_target,
-        e2e_ks=_positive_ints(p, "--e2e-ks", a.e2e_ks), ks=_positive_ints(p, "--ks", a.ks), full_sweep=a.full_sweep,
-        distill_steps=a.distill_steps, e2e_checkpoint=Path(a.e2e_checkpoint) if a.e2e_checkpoint else None,
-        json_path=Path(a.json_path) if a.json_path else OUT_DIR / f"bench-{stamp}.json",
-        record=Path(a.record) if a.record else None, **counts)
-
-
 def parse_args(argv=None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m bench run")
     add_run_options(p)
-    return settings(p, p.parse_args(argv))
+    s = p.parse_args(argv, namespace=Settings())
+    section_names = [section.name for section in SECTIONS]
+    s.skip = _names(p, "--skip", s.skip, [*section_names, *PARTS])
+    s.with_ = _names(p, "--with", s.with_, list(OPT_IN))
+    s.only = _names(p, "--only", s.only, section_names)
+    if s.with_ & s.skip:
+        p.error(f"section(s) both skipped and asked for with --with: {sorted(s.with_ & s.skip)}")
+    if s.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False")
+    s.max_length = s.max_length or s.context + 64
+    if s.max_length <= s.context + 1:
+        p.error(f"--max-length must exceed --context + 1, got {s.max_length} with --context {s.context}")
+    level = 0 if s.quick else 2 if s.full else 1
+    for name, counts in COUNTS.items():
+        setattr(s, name, counts[level] if getattr(s, name) is None else getattr(s, name))
+    for flag in ("--batch-sizes", "--e2e-ks", "--ks"):
+        name = flag[2:].replace("-", "_")
+        setattr(s, name, _positive_ints(p, flag, getattr(s, name)))
+    s.configs = tuple(c.strip() for c in s.configs.split(",") if c.strip())
+    s.dtype = s.dtype or ("bfloat16" if s.device.startswith("cuda") else "float32")
+    s.threads = s.threads or (1 if s.device == "cpu" else torch.get_num_threads())
+    s.e2e_checkpoint = Path(s.e2e_checkpoint) if s.e2e_checkpoint else None
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
+    s.json_path = Path(s.json_path) if s.json_path else OUT_DIR / f"bench-{stamp}.json"
+    s.record = Path(s.record) if s.record else None
+    return s
 
 
 # ------------------------------------------------------------------------------------------------ the runner
