@@ -301,7 +301,7 @@ def report_command(a: argparse.Namespace) -> int:
     out = a.out or a.result.with_suffix(".png")
     try:
         drawn = plots.draw_report(result, out)
-    except plots.MatplotlibMissing:
+    except ImportError:  # matplotlib, the plots extra
         raise SystemExit(plots.MISSING_HINT.format(json=a.result)) from None
     except OSError as e:
         raise SystemExit(f"cannot write {out}: {e.strerror or e}; choose another place with --out") from None
