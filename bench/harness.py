@@ -94,6 +94,15 @@ def ratios(medians: dict[str, float], pairs: dict[str, tuple[str, str]]) -> dict
     return {name: medians[a] / medians[b] for name, (a, b) in pairs.items() if a in medians and b in medians}
 
 
+def random_rows(mtp, batch: int, start: int, rows: int, gen: torch.Generator):
+    """Draft-step inputs for ``mtp`` (an ``InklingMTP``): rows start..start+rows-1 with random real ids and
+    unit-scale hiddens, on the model's device."""
+    ids = torch.randint(3, mtp.config.logits_vocab_size, (batch, rows), generator=gen)
+    positions = torch.arange(start, start + rows)[None].expand(batch, rows).contiguous()
+    hidden = torch.randn(batch, rows, mtp.config.hidden_size, generator=gen)
+    return ids.to(mtp.device), positions.to(mtp.device), hidden.to(device=mtp.device, dtype=mtp.dtype)
+
+
 # ------------------------------------------------------------------------------------------------ probes
 
 def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: float) -> dict:

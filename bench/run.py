@@ -109,7 +109,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--with", dest="with_", default="", metavar="SECTIONS",
                    help="opt-in sections to run: " + "; ".join(f"{n} (off for {', '.join(sorted(v))})"
                                                              for n, v in OPT_IN.items()))
-    p.add_argument("--config", dest="configs", default="tiny", help="synthetic preset(s) for the step sections: tiny, small, full")
+    p.add_argument("--config", dest="configs", default="tiny",
+                   help="synthetic preset(s) for the step sections: tiny, small, full")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes of the latency section")

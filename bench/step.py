@@ -18,7 +18,7 @@ from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.kernel_stats import kernel_stats
 
 from .floor import GemmFloor, record_gemms, summarize
-from .harness import Context, Stats, fmt, ms, progress, ratios, samples_ms, table, time_variants
+from .harness import Context, Stats, fmt, ms, progress, random_rows, ratios, samples_ms, table, time_variants
 from .models import Models
 
 LABELS = {
@@ -43,12 +43,8 @@ class StepInputs:
 
 
 def make_inputs(models: Models, batch: int, context: int, seed: int = 0) -> StepInputs:
-    """Random real ids and unit-scale hiddens: the step's cost does not depend on their values."""
-    c, dev = models.config, models.device
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, c.logits_vocab_size, (batch, context + 1), generator=gen).to(dev)
-    hidden = torch.randn(batch, context + 1, c.hidden_size, generator=gen).to(device=dev, dtype=models.dtype)
-    positions = torch.arange(context + 1, device=dev)[None].expand(batch, -1).contiguous()
+    """``context`` rows to prefill and one new row: the step's cost does not depend on their values."""
+    ids, positions, hidden = random_rows(models.mtp, batch, 0, context + 1, torch.Generator().manual_seed(seed))
     return StepInputs(ids[:, :context], positions[:, :context], hidden[:, :context],
                       ids[:, context:], positions[:, context:], hidden[:, context:])
 
