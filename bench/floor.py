@@ -86,8 +86,9 @@ def summarize(gemms: list[Gemm]) -> list[dict]:
 
 
 class GemmFloor:
-    """Replays recorded GEMMs with fresh operands of the same layout: ``floor()`` runs them all once. On CUDA the
-    sequence is captured once as a CUDA graph, so the floor carries no launch overhead."""
+    """Replays recorded GEMMs with fresh operands of the same layout: ``floor()`` runs them all once (``summary``:
+    :func:`summarize`). On CUDA the sequence is captured once as a CUDA graph, so the floor carries no launch
+    overhead."""
 
     def __init__(self, gemms: list[Gemm], device, seed: int = 0):
         self.device = torch.device(device)
@@ -97,6 +98,7 @@ class GemmFloor:
             t = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=self.device)
             return t.normal_(generator=gen) if t.dtype.is_floating_point else t.zero_()
 
+        self.summary = summarize(gemms)
         self.calls = [(g.op, tree_map_only(torch.Tensor, fresh, g.args), tree_map_only(torch.Tensor, fresh, g.kwargs))
                       for g in gemms]
         self.graph = None

@@ -208,7 +208,7 @@ class Settings(argparse.Namespace):
                 "threads": self.threads, "full": self.full, "quick": self.quick, "skip": sorted(self.skip),
                 "only": sorted(self.only), "opt_in": sorted(self.with_),
                 "e2e_target": str(self.e2e_checkpoint or self.e2e_target), "e2e_ks": list(self.e2e_ks),
-                "ks": list(self.ks), "full_sweep": self.full_sweep}
+                "ks": list(self.ks)}
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The K sweep (``depths`` section, ``--full``): for K = 1, 2, 4, 8 chained MTP depths per round on the end-to-end
 target, tokens/s and acceptance at batch 1 and for one left-padded batch of 4, draft-round latency, and the cold
-compile of the smallest and largest K in fresh processes (every K with ``--full-sweep``)."""
+compile of the smallest and largest K in fresh processes. The batch of 4 drafts with eager drafters (the same
+tokens; one compile per K fewer)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ class KSweepConfig:
     threads: int = 1
     cold_compile: tuple[int, ...] = ()  # the Ks whose drafter compiles in a fresh process
     hf_mtp: bool = True
-    batch4_compiled: bool = False  # the batch of 4 with compiled drafters too (as many compiles again)
     compiled: bool = True  # False: eager drafters everywhere (the same tokens; for tests)
 
 
@@ -106,9 +106,8 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
     batch_ids, batch_mask = left_padded_batch(prompts, target.generation_config.pad_token_id or 0)
     alone, transformers_mtp = generators(target, cfg.new_tokens)
     max_length = prompts.shape[1] + cfg.new_tokens + 8
-    b4_compiled = cfg.compiled and cfg.batch4_compiled
     drafters = {k: Drafter(mtp, 1, max_length, num_speculative_tokens=k, compile=cfg.compiled) for k in ks}
-    batch_drafters = {k: Drafter(mtp, PADDED_BATCH, max_length, num_speculative_tokens=k, compile=b4_compiled)
+    batch_drafters = {k: Drafter(mtp, PADDED_BATCH, max_length, num_speculative_tokens=k, compile=False)
                       for k in ks}
 
     def ours(k, batch=False):
@@ -131,9 +130,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             padded_s[name] = time.perf_counter() - start
         progress("ksweep: draft-round latency")
         rounds_ms = {k: {"1": round_latency(drafters[k], 1, 1, cfg.round_seconds),
-                         "all": round_latency(drafters[k], 1, k + 1, cfg.round_seconds),
-                         **({str(PADDED_BATCH): round_latency(batch_drafters[k], PADDED_BATCH, 1, cfg.round_seconds)}
-                            if b4_compiled else {})} for k in ks}
+                         "all": round_latency(drafters[k], 1, k + 1, cfg.round_seconds)} for k in ks}
     reference = [out for out, _ in figures["target"]["outputs"]]
     seconds = {name: f["seconds"] for name, f in figures.items()}
 
@@ -163,7 +160,7 @@ def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Te
             "draft_round_cpu_ms": {b: r[1] for b, r in rounds_ms[k].items() if b != "all"},
             "draft_round_all_accepted_ms": rounds_ms[k]["all"][0], "compile_s": figures[name]["warmup_s"],
             "cold_compile": None,
-            "batch4": {"compiled": b4_compiled, "tokens_per_s": batch_tokens / padded_s[k],
+            "batch4": {"tokens_per_s": batch_tokens / padded_s[k],
                        "speedup_vs_target": padded_s["target"] / padded_s[k],
                        **{key: batched[key] for key in ("mean_accepted_length", "acceptance_per_position",
                                                         "per_sequence_accepted_length")},
@@ -192,10 +189,9 @@ def _cold_compiles(record: Depths, checkpoint, ks: list[int], threads: int) -> N
 
 def measure(ctx: Context) -> Depths:
     s, target = ctx.settings, ctx.e2e_target()
-    probed = (s.ks if s.full_sweep else sorted({min(s.ks), max(s.ks)})) if s.runs("kcompile") else ()
+    probed = sorted({min(s.ks), max(s.ks)}) if s.runs("kcompile") else ()
     cfg = KSweepConfig(ks=s.ks, prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, round_seconds=s.k_seconds,
-                       threads=s.threads, cold_compile=tuple(probed), hf_mtp=s.runs("peer"),
-                       batch4_compiled=s.full_sweep)
+                       threads=s.threads, cold_compile=tuple(probed), hf_mtp=s.runs("peer"))
     return run_ksweep(target.checkpoint, cfg, prompts=target.prompts, target_label=target.label)
 
 
@@ -209,9 +205,8 @@ def lines(depths: dict) -> list[str]:
               f"{hf['mean_accepted_length']:.2f} tok/round, per position "
               f"{' '.join(f'{a:.2f}' for a in hf['acceptance_per_position'])}" if hf else "")]
     points = list(depths["ours"].values())
-    b4_kind = "compiled" if points and points[0]["batch4"]["compiled"] else "eager"
     rows = [["K", "tok/s", "vs target", "vs hf", "accepted len", "acceptance per position", "same",
-             f"b{PADDED_BATCH} tok/s ({b4_kind})", "vs target", "len (batch / per seq)", "same"]]
+             f"b{PADDED_BATCH} tok/s (eager)", "vs target", "len (batch / per seq)", "same"]]
     for p in points:
         b4 = p["batch4"]
         rows.append([str(p["k"]), f"{p['tokens_per_s']:.1f}", f"{p['speedup_vs_target']:.2f}x",
@@ -221,11 +216,10 @@ def lines(depths: dict) -> list[str]:
                      f"{b4['mean_accepted_length']:.2f} / {b4['per_sequence_accepted_length']:.2f}",
                      yes(b4["outputs_match_target"])])
     out += table(rows, "  ")
-    rows = [["K", "draft round ms b1 (cpu)", f"b{PADDED_BATCH} (cpu)", "b1 all accepted", "first calls s",
+    rows = [["K", "draft round ms b1 (cpu)", "b1 all accepted", "first calls s",
              "cold compile cpu s (wall)", "x first K", "graphs", "recompiles / 64 rounds"]]
     for p in points:
         r, cpu, cold = p["draft_round_ms"], p["draft_round_cpu_ms"], p["cold_compile"] or {}
-        rounds = [f"{r[b]['median_ms']:.2f} ({cpu[b]:.2f})" if b in r else "-" for b in ("1", str(PADDED_BATCH))]
         if "error" in cold:
             compiled = ["FAILED", "-", "-", "-"]
         elif cold:
@@ -233,7 +227,8 @@ def lines(depths: dict) -> list[str]:
                         str(cold["graphs"]), str(cold["recompiles_over_64_rounds"])]
         else:
             compiled = ["-"] * 4
-        rows.append([str(p["k"]), *rounds, f"{p['draft_round_all_accepted_ms']['median_ms']:.2f}",
+        rows.append([str(p["k"]), f"{r['1']['median_ms']:.2f} ({cpu['1']:.2f})",
+                     f"{p['draft_round_all_accepted_ms']['median_ms']:.2f}",
                      fmt(p["compile_s"], ".1f"), *compiled])
     out += table(rows, "  ")
     out.append("  cold compile: K and K + 1-row windows, batch 1, each K in a fresh process; accepted len: tokens per "

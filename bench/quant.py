@@ -98,7 +98,7 @@ def measure(ctx: Context) -> Quant:
     inputs = S.make_inputs(fp32, record.batch, s.context)
     eager = Drafter(fp32.mtp, record.batch, s.max_length, compile=False, num_speculative_tokens=1)
     S.prefill(fp32, eager, inputs)
-    steps, built = {FLOOR: S.gemm_floor(fp32, eager, inputs)[0]}, {}
+    steps, built = {FLOOR: S.gemm_floor(fp32, eager, inputs)}, {}
     for name, (dtype, scheme, quantize_head) in schemes(s.device).items():
         progress(f"{tag}: compiling {name}")
         try:

@@ -132,8 +132,6 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distill-steps", type=int, default=None, help="self-distillation steps of the synthetic target")
     p.add_argument("--ks", default="1,2,4,8", help="K values of the K sweep (beyond the target's depths: left out)")
     p.add_argument("--k-seconds", type=float, default=None, help="seconds of draft-round timing per K and window")
-    p.add_argument("--full-sweep", action="store_true", help="the K sweep's batch of 4 compiled too, and a cold "
-                   "compile probe for every K")
     p.add_argument("--json", dest="json_path", default=None, help="where the JSON goes (default: bench/out/)")
     p.add_argument("--record", nargs="?", const=str(RESULTS_MD), default=None, metavar="FILE",
                    help="append an entry to bench/RESULTS.md (or FILE)")
