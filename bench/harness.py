@@ -133,22 +133,20 @@ def probe_main(function: str, args_json: str) -> int:
 
 # ------------------------------------------------------------------------------------------------ records
 
+def _to_json(value) -> object:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else str(value)
+
+
 def plain(record) -> object:
-    """A record (dataclasses, dicts, lists) as JSON-ready values."""
-    if dataclasses.is_dataclass(record):
-        return {f.name: plain(getattr(record, f.name)) for f in dataclasses.fields(record)}
-    if isinstance(record, dict):
-        return {str(k): plain(v) for k, v in record.items()}
-    if isinstance(record, list | tuple):
-        return [plain(v) for v in record]
-    return record
+    """A record (dataclasses, dicts, lists) as the JSON holds it (string keys, lists for tuples)."""
+    return json.loads(json.dumps(record, default=_to_json))
 
 
 def write_json(path: Path, value) -> None:
     """Whole or not at all: a run killed while writing leaves the previous copy."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(plain(value), indent=1, default=str) + "\n")
+    tmp.write_text(json.dumps(value, indent=1, default=_to_json) + "\n")
     os.replace(tmp, path)
 
 

@@ -17,23 +17,10 @@ from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_mtp, l
 from inkling_compiled.training.distill import distill
 
 FULL_OVERRIDES = dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2)
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}") from None
 
 
 def preset_overrides(preset: str) -> dict:
     return dict(FULL_OVERRIDES) if preset == "full" else {}
-
-
-def default_weights(preset: str) -> str:
-    return "random" if preset == "full" else "checkpoint"
 
 
 @dataclass
@@ -88,7 +75,7 @@ def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str 
                 seed: int = 0, progress=None) -> Models:
     """Build ``preset``'s models on ``device`` in ``dtype`` (see module doc); ``peer=False`` skips transformers."""
     device = torch.device(device)
-    weights = weights or default_weights(preset)
+    weights = weights or ("random" if preset == "full" else "checkpoint")
     if weights == "random":
         return _random_models(preset, device, dtype, peer, seed)
     if weights != "checkpoint":

@@ -22,7 +22,7 @@ import transformers
 
 from . import compile_time, e2e, ksweep, packaged, perrow, plots, quant, report, step
 from .harness import OPT_IN, Context, Settings, error_text, plain, probe_main, progress, write_json
-from .models import load_models, parse_dtype
+from .models import load_models
 
 SCHEMA_ID = "inkling-bench/3"
 BENCH_DIR = Path(__file__).resolve().parent
@@ -112,7 +112,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", dest="configs", default="tiny",
                    help="synthetic preset(s) for the step sections: tiny, small, full")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes of the latency section")
     p.add_argument("--context", type=int, default=64, help="rows prefilled before the timed step")
     p.add_argument("--max-length", type=int, default=None, help="draft cache capacity (default context + 64)")
@@ -227,7 +228,7 @@ def _run(s: Settings, given: list[str]) -> dict:
 @functools.cache
 def _models(preset: str, device: str, dtype: str, weights: str | None, peer: bool):
     progress(f"{preset}: loading models ({weights or 'default'} weights, {device}, {dtype})")
-    return load_models(preset, device=device, dtype=parse_dtype(dtype), weights=weights, peer=peer)
+    return load_models(preset, device=device, dtype=getattr(torch, dtype), weights=weights, peer=peer)
 
 
 def _section(s: Settings, section: Section, preset: str | None, result: dict, target, save) -> None:
