@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import functools
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -69,14 +71,11 @@ def cpu_name() -> str:
 
 
 def machine_info(threads: int) -> dict:
-    try:
-        import triton  # optional: the GPU's kernels
-    except ImportError:
-        triton = None
+    triton = importlib.util.find_spec("triton") and importlib.metadata.version("triton")  # optional: GPU kernels
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu_name(), "cores": os.cpu_count() or 1, "gpu": gpu, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(), "threads": threads,
-            "platform": platform.platform(), "triton": triton.__version__ if triton else None}
+            "platform": platform.platform(), "triton": triton or None}
 
 
 # ------------------------------------------------------------------------------------------------ the command line
@@ -171,18 +170,6 @@ def parse_args(argv=None) -> Settings:
 
 # ------------------------------------------------------------------------------------------------ the runner
 
-def _selected(s: Settings) -> list[Section]:
-    chosen = []
-    for section in SECTIONS:
-        if s.only and section.name not in s.only or section.name in s.skip:
-            continue
-        if section.cpu_only and s.device != "cpu":
-            progress(f"{section.name}: runs on CPU only; left out on this device")
-            continue
-        chosen.append(section)
-    return chosen
-
-
 def run(argv=None) -> dict:
     """Parse ``argv``, run every section selected, print / write / record the results; returns the result."""
     s = parse_args(argv)
@@ -210,7 +197,12 @@ def _run(s: Settings, given: list[str]) -> dict:
     save()
     progress(f"results go to {s.json_path} (rewritten after every section)")
     target = functools.cache(lambda: e2e.build_target(s))
-    for section in _selected(s):
+    for section in SECTIONS:
+        if s.only and section.name not in s.only or section.name in s.skip:
+            continue
+        if section.cpu_only and s.device != "cpu":
+            progress(f"{section.name}: runs on CPU only; left out on this device")
+            continue
         for preset in s.configs if section.per_config else (None,):
             if s.runs(section.name, preset):
                 _section(s, section, preset, result, target, save)
