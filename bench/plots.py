@@ -211,6 +211,7 @@ def _against_k_panel(sw: Sweep) -> Panel:
         top = max(ks[-1], *(p.k for p in sw.points))
         length.plot([1, top], [2, top + 1], color="lightgray", linestyle=":", label="upper bound K + 1")
         length.set_ylim(0, top + 1.5)
+        length.tick_params(labelsize=7)
         length.set_ylabel("mean accepted length, tokens per target forward (dashed)", fontsize=8)
         length.legend(fontsize=6, loc="upper right")
         ax.set_xticks(range(1, top + 1))

@@ -58,11 +58,6 @@ def generated_code():
         yield sources
 
 
-def kernel_summary(code: list[str]) -> dict:
-    """Kernel definitions and launches of the compiled step's wrapper(s) (docs/compile.md §6)."""
-    return {**kernel_stats(code).to_dict(), "graphs": len(code)}
-
-
 def compile_options(passes: bool, fresh: bool) -> dict:
     """Our pass manager or nothing in the post-grad slot; ``fresh``: FX graph cache off so the passes really run.
     Distinct options objects also give each variant its own Dynamo cache entry."""
@@ -113,7 +108,8 @@ def build_compiled(models: Models, inputs: StepInputs, max_length: int, *, passe
             torch.cuda.synchronize()
         first = time.perf_counter() - start
     after = ic_passes.match_counts()
-    return CompiledVariant(drafter, first, kernel_summary(code), {k: after[k] - before.get(k, 0) for k in after})
+    kernels = {**kernel_stats(code).to_dict(), "graphs": len(code)}  # of the wrapper(s), docs/compile.md §6
+    return CompiledVariant(drafter, first, kernels, {k: after[k] - before.get(k, 0) for k in after})
 
 
 class HFStep:
