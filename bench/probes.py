@@ -35,17 +35,13 @@ def step_compile(args: dict) -> dict:
     """Cold or warm (by the cache dir the parent gives) compile of the one-token draft step: the first call split
     into Dynamo / backend, the FX graph cache counters, recompiles over ``steps`` steps at advancing positions and,
     on CUDA, the CUDA-graph capture."""
-    from .models import load_checkpoint_models, load_models  # the model builders: transformers' too
+    from .models import load_models  # the model builders: transformers' too
     from .step import make_drafter, make_inputs, prefill, step_fn
 
     import_s, start = time.time() - args["spawned_at"], time.perf_counter()
     torch.set_num_threads(int(args["threads"]))
     device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
-    if args["checkpoint"]:
-        models = load_checkpoint_models(args["checkpoint"], preset=args["preset"], device=device, dtype=dtype,
-                                        peer=False)
-    else:
-        models = load_models(args["preset"], device=device, dtype=dtype, weights=args["weights"], peer=False)
+    models = load_models(args["preset"], device=device, dtype=dtype, weights=args["weights"], peer=False)
     batch, max_length = int(args["batch"]), int(args["max_length"])
     inputs = make_inputs(models, batch, int(args["context"]))
     load_s = time.perf_counter() - start
