@@ -16,11 +16,23 @@ import time
 
 import torch
 
+from . import arguments
+from .config import CONFIG_FILE
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROG = "python -m inkling_compiled.generate"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line naming the problem (exit status 2), without the usage text."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.generate", description=__doc__.split("\n")[0])
+    """The parsed arguments, every one checked (paths and device included) before anything is loaded."""
+    parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", help="raw Inkling checkpoint directory (default: tiny synthetic checkpoint)")
     parser.add_argument("--preset", default="tiny",
                         help="synthetic preset used when no --checkpoint is given (default tiny; tiny8 has 8 depths)")
@@ -47,14 +59,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args(argv)
-    for name in ("prompt_len", "batch", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("prompt_len", "batch", "max_new_tokens", "num_speculative_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for flag, check in (("--temperature", lambda: arguments.temperature(args.temperature)),
+                        ("--top-p", lambda: arguments.top_p(args.top_p)),
+                        ("--device", lambda: arguments.device(args.device, "--device")),
+                        ("--checkpoint", lambda: args.checkpoint is None or _check_checkpoint(args.checkpoint))):
+        try:
+            check()
+        except arguments.ArgumentError as e:
+            parser.error(str(e) if str(e).startswith(flag) else f"{flag}: {e}")
     if args.check and args.temperature > 0:
         parser.error("--check compares against greedy generate(); use it with --temperature 0")
     if args.text_target and (args.checkpoint or args.distilled):
         parser.error("--text-target is its own checkpoint; leave out --checkpoint / --distilled")
     return args
+
+
+def _check_checkpoint(value) -> None:
+    directory = arguments.existing_directory("--checkpoint", value)
+    if not (directory / CONFIG_FILE).is_file():
+        raise arguments.ArgumentError(f"--checkpoint {value!r} holds no {CONFIG_FILE}: not a raw Inkling checkpoint "
+                                      "directory")
 
 
 def build(args):
@@ -109,7 +136,12 @@ def main(argv=None) -> int:
     from .testing.synthetic import greedy_generation_config
 
     torch.manual_seed(args.seed)
-    path, target, drafter = build(args)
+    try:
+        path, target, drafter = build(args)
+    except (ValueError, TypeError, OSError) as e:  # the library's refusals, and unreadable files: one line
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{PROG}: error: {first_line}", file=sys.stderr)
+        return 2
     ids, mask = make_prompts(args, logits_vocab_size(target.config.get_text_config()))
     eos = None if args.ignore_eos else target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id

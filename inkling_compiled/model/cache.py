@@ -10,19 +10,12 @@ The buffers are inference state: what is stored is detached, so they never recor
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 
+from ..arguments import positive_int
 from ..config import MTPConfig
-
-
-def positive_int(name: str, value) -> int:
-    """``value`` as an int, or ValueError unless it is an integer >= 1 (a bool or a float is not a count)."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__") or operator.index(value) < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return operator.index(value)
 
 
 @dataclass
