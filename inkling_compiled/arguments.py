@@ -102,7 +102,7 @@ def temperature(value) -> float:
 
 def top_p(value) -> float:
     if not is_number(value) or not 0.0 < value <= 1.0:
-        raise ArgumentError(f"top_p must be a number in (0, 1], got {value!r}")
+        raise ArgumentError(f"top_p must be in (0, 1], got {value!r}")
     return float(value)
 
 

@@ -7,19 +7,17 @@ argument and the value. Ids and positions may be of any integer dtype: they are 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from .. import arguments
 from . import int8
 from .cache import MTPCache
 
-if TYPE_CHECKING:
-    from .mtp import InklingMTP
+# Functions here take the model as an ``nn.Module`` (an ``InklingMTP``): importing its class would be a cycle.
 
 
-def check_parameters(model: InklingMTP) -> None:
+def check_parameters(model: nn.Module) -> None:
     """ValueError naming the tensors when the floating parameters are not all of one dtype on one device (the target
     was converted after loading with ``target=``, so its shared tensors changed and the MTP's own did not), or when a
     quantized model no longer runs int8 kernels (converted to float32 after quantizing, say).
@@ -42,7 +40,7 @@ def check_parameters(model: InklingMTP) -> None:
                      "with it: convert the MTP the same way (mtp.to(...)) or re-load it with target=")
 
 
-def check_inputs(model: InklingMTP, input_ids: torch.Tensor | None, positions: torch.Tensor,
+def check_inputs(model: nn.Module, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  previous_hidden: torch.Tensor, cache: MTPCache | None = None, depth: int = 0,
                  inputs_embeds: torch.Tensor | None = None, *, drafting: bool = False
                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -86,7 +84,7 @@ def check_inputs(model: InklingMTP, input_ids: torch.Tensor | None, positions: t
     return input_ids, positions
 
 
-def _check_cache(model: InklingMTP, cache: MTPCache, batch: int) -> None:
+def _check_cache(model: nn.Module, cache: MTPCache, batch: int) -> None:
     if not isinstance(cache, MTPCache):
         raise ValueError(f"cache must be an MTPCache (from new_cache), got {type(cache).__name__}")
     if batch > cache.batch_size:
