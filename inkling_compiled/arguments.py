@@ -69,12 +69,13 @@ def size_tuple(name: str, values) -> tuple[int, ...]:
 
 
 def token_id(name: str, value, vocab: int, why: str = "") -> int:
-    """``value`` as a token id in [0, vocab): an int, or a 0-d integer tensor."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and _is_integer_dtype(value.dtype):
-        value = int(value)
-    if not is_int(value) or not 0 <= value < vocab:
+    """``value`` as a token id in [0, vocab): an int (anything with ``__index__`` but a bool: a NumPy integer, a
+    0-d integer tensor)."""
+    tensor_ok = not isinstance(value, torch.Tensor) or value.dim() == 0 and _is_integer_dtype(value.dtype)
+    if (not tensor_ok or isinstance(value, bool) or not hasattr(type(value), "__index__")
+            or not 0 <= operator.index(value) < vocab):
         raise ArgumentError(f"{name} must be a token id in [0, {vocab}){why}, got {value!r}")
-    return value
+    return operator.index(value)
 
 
 def token_ids(name: str, value, vocab: int) -> list[int]:

@@ -292,3 +292,46 @@ def test_text_target_seed_and_ids_are_checked():
     with pytest.raises(ValueError, match=r"ids must be integer token ids, got \[72, 1\.5\]"):
         text_target.decode([72, 1.5])
     assert text_target.decode(torch.tensor([72, 105], dtype=torch.uint8)) == "Hi"
+
+
+# ------------------------------------------------------------------------------------------------ found beyond the list
+
+
+@pytest.mark.parametrize("which", ["target", "drafter"])
+def test_the_loop_names_a_target_or_drafter_of_the_wrong_kind(pair, which):
+    target, mtp = pair
+    drafter = Drafter(mtp, max_batch_size=2, max_length=32, compile=False)
+    args = {"target": target, "drafter": drafter, which: "model.safetensors"}
+    with pytest.raises(ValueError, match=rf"^{which} must be .*got str"):
+        speculative_generate(args["target"], args["drafter"], *prompts(), max_new_tokens=3)
+
+
+@pytest.mark.parametrize("size", [dict(batch_size=10**9, max_length=64), dict(batch_size=2, max_length=10**12)])
+def test_a_cache_too_large_to_allocate_names_its_sizes(size):
+    mtp = random_mtp()
+    with pytest.raises(MemoryError, match=rf"batch_size={size['batch_size']}, max_length={size['max_length']} needs "):
+        mtp.new_cache(**size)
+    with pytest.raises(MemoryError, match="could not be allocated"):
+        Drafter(mtp, size["batch_size"], size["max_length"], compile=False)
+
+
+def test_token_ids_take_every_integer_type_a_count_takes(pair, uneven_drafter):
+    """A NumPy integer (or a 0-d integer tensor) is an id wherever an int is, as it is a count."""
+    np = pytest.importorskip("numpy")
+    ids, mask = prompts()
+    expected = speculative_generate(pair[0], uneven_drafter, ids, mask, max_new_tokens=6, pad_token_id=3,
+                                    eos_token_id=[7]).sequences
+    got = speculative_generate(pair[0], uneven_drafter, ids, mask, max_new_tokens=np.int64(6),
+                               pad_token_id=np.int32(3), eos_token_id=[np.int64(7)]).sequences
+    assert torch.equal(got, expected)
+    got = speculative_generate(pair[0], uneven_drafter, ids, mask, max_new_tokens=6, pad_token_id=torch.tensor(3),
+                               eos_token_id=torch.tensor(7)).sequences
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("validate", ["no", 0, None])
+def test_draft_validate_must_be_a_bool(validate):
+    """``validate=0`` used to skip every check silently (falsy), ``"no"`` to run them (truthy)."""
+    mtp = random_mtp()
+    with pytest.raises(ValueError, match=f"validate must be a bool, got {re.escape(repr(validate))}"):
+        Drafter(mtp, 2, 8, compile=False).draft(*draft_rows(mtp), validate=validate)

@@ -67,23 +67,32 @@ class MTPCache:
         batch_size, max_length = positive_int("batch_size", batch_size), positive_int("max_length", max_length)
         self.batch_size, self.max_length = batch_size, max_length
         slots = max_length + 1
-        key_positions = torch.arange(slots, device=device)
 
         def buf(*shape):
             return torch.zeros(batch_size, slots, *shape, dtype=dtype, device=device)
 
-        self.depths = [
-            DepthCache(
-                k=buf(g.num_kv_heads, g.head_dim),
-                v=buf(g.num_kv_heads, g.head_dim),
-                conv_k=buf(g.num_kv_heads * g.head_dim),
-                conv_v=buf(g.num_kv_heads * g.head_dim),
-                conv_attn=buf(config.hidden_size),
-                conv_mlp=buf(config.hidden_size),
-                key_positions=key_positions,
-            )
-            for g in config.depths
-        ]
+        try:
+            key_positions = torch.arange(slots, device=device)
+            self.depths = [
+                DepthCache(
+                    k=buf(g.num_kv_heads, g.head_dim),
+                    v=buf(g.num_kv_heads, g.head_dim),
+                    conv_k=buf(g.num_kv_heads * g.head_dim),
+                    conv_v=buf(g.num_kv_heads * g.head_dim),
+                    conv_attn=buf(config.hidden_size),
+                    conv_mlp=buf(config.hidden_size),
+                    key_positions=key_positions,
+                )
+                for g in config.depths
+            ]
+        except RuntimeError as e:  # torch.OutOfMemoryError too: name the sizes, not the allocator's internals
+            if "alloc" not in str(e) and not isinstance(e, torch.OutOfMemoryError):
+                raise
+            per_slot = sum(4 * g.num_kv_heads * g.head_dim + 2 * config.hidden_size for g in config.depths)
+            need = batch_size * slots * per_slot * torch.empty(0, dtype=dtype).element_size()
+            raise MemoryError(f"the MTP cache for batch_size={batch_size}, max_length={max_length} needs {need:,} "
+                              f"bytes on {torch.device(device)}, which could not be allocated: choose a smaller "
+                              "batch or length") from e
 
     @property
     def pad_position(self) -> int:

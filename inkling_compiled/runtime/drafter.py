@@ -330,7 +330,8 @@ class Drafter:
         re-runs stale rows itself). ``validate`` checks every argument (:meth:`check`: one host sync); callers that
         validated at their own boundary pass ``validate=False``, and then nothing is checked at all.
         """
-        if validate:
+        if validate is not False:  # the loop's hot path passes False: anything else is checked, itself included
+            arguments.check_bool("validate", validate)
             self.check(input_ids, positions, hidden)
             arguments.temperature(temperature)
             arguments.generator(generator, self.model.device)

@@ -86,6 +86,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from .. import arguments
@@ -93,6 +94,8 @@ from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
 from .target_cache import rollback_rows, select_rows
+
+DRAFTER_PROTOCOL = ("draft", "max_batch_size", "max_length")  # what the loop uses of a drafter (see the module doc)
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
 
@@ -214,6 +217,13 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     """Check every argument before any model call; return (input_ids, attention_mask) as int64 tensors, the EOS
     ids and the pad id (checked whether or not an EOS is given: it is also the token of the drafter's padding rows
     when rows keep different numbers of tokens)."""
+    if not isinstance(target, nn.Module) or not hasattr(getattr(target, "config", None), "get_text_config"):
+        raise arguments.ArgumentError(f"target must be a transformers Inkling model (InklingForCausalLM or "
+                                      f"InklingForConditionalGeneration), got {type(target).__name__}")
+    missing = [name for name in DRAFTER_PROTOCOL if not hasattr(drafter, name)]
+    if missing:
+        raise arguments.ArgumentError(f"drafter must be a Drafter (or have {', '.join(DRAFTER_PROTOCOL)}), got "
+                                      f"{type(drafter).__name__}, which lacks {', '.join(missing)}")
     arguments.positive_int("max_new_tokens", max_new_tokens)
     arguments.temperature(temperature)
     arguments.check_bool("lockstep", lockstep)
