@@ -118,19 +118,29 @@ def generator(value, device: torch.device) -> None:
                             f"the model's device (torch.Generator(device={device.type!r}))")
 
 
-def device(value, name: str = "device") -> torch.device | None:
+def device(value, name: str = "device", *, runs: bool = False) -> torch.device | None:
     """The torch.device named by ``value`` (None passes), usable here: an absent backend or index fails now, not
-    mid-load."""
+    mid-load. ``runs``: it must also compute (the meta device, which loading accepts, holds no data)."""
     if value is None:
         return None
     try:
         resolved = torch.device(value)
         torch.empty(1, device=resolved)
     except (RuntimeError, AssertionError, TypeError, NotImplementedError) as e:
-        raise ArgumentError(f"{name}={value!r} is not usable: {str(e).splitlines()[0] if str(e) else e!r}") from e
-    if resolved.type == "meta":
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ArgumentError(f"{name}={value!r} is not usable: {reason}") from e
+    if runs and resolved.type == "meta":
         raise ArgumentError(f"{name}={value!r} is not usable: a meta device holds no data to run on")
     return resolved
+
+
+def dtype(name: str, value, allowed) -> torch.dtype | None:
+    """None or one of the ``allowed`` torch dtypes."""
+    if value is not None and (not isinstance(value, torch.dtype) or value not in allowed):
+        supported = f"None or one of {sorted(map(str, allowed))}"
+        got = value if isinstance(value, torch.dtype) else f"{type(value).__name__} {value!r}"
+        raise ArgumentError(f"{name} must be {supported}, got {got}")
+    return value
 
 
 def path(name: str, value) -> Path:

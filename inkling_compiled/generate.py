@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for flag, check in (("--temperature", lambda: arguments.temperature(args.temperature)),
                         ("--top-p", lambda: arguments.top_p(args.top_p)),
-                        ("--device", lambda: arguments.device(args.device, "--device")),
+                        ("--device", lambda: arguments.device(args.device, "--device", runs=True)),
                         ("--checkpoint", lambda: args.checkpoint is None or _check_checkpoint(args.checkpoint))):
         try:
             check()

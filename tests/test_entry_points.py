@@ -302,7 +302,7 @@ def test_the_loop_names_a_target_or_drafter_of_the_wrong_kind(pair, which):
     target, mtp = pair
     drafter = Drafter(mtp, max_batch_size=2, max_length=32, compile=False)
     args = {"target": target, "drafter": drafter, which: "model.safetensors"}
-    with pytest.raises(ValueError, match=rf"^{which} must be .*got str"):
+    with pytest.raises(ValueError, match=rf"^{which} must .*got str"):
         speculative_generate(args["target"], args["drafter"], *prompts(), max_new_tokens=3)
 
 
@@ -335,3 +335,23 @@ def test_draft_validate_must_be_a_bool(validate):
     mtp = random_mtp()
     with pytest.raises(ValueError, match=f"validate must be a bool, got {re.escape(repr(validate))}"):
         Drafter(mtp, 2, 8, compile=False).draft(*draft_rows(mtp), validate=validate)
+
+
+# ------------------------------------------------------------------------------------------------ packages, loading
+
+
+def test_package_arguments_are_checked_before_reading_anything(tmp_path):
+    """A directory of the wrong type was a TypeError from pathlib; ``fallback`` was never checked (a missing package
+    answered first)."""
+    mtp = random_mtp()
+    with pytest.raises(ValueError, match=r"^directory must be a str or os\.PathLike, got int 3"):
+        Drafter.load_compiled(3, mtp)
+    with pytest.raises(ValueError, match=r"^fallback must be a bool, got 'yes'"):
+        Drafter.load_compiled(tmp_path / "none", mtp, fallback="yes")
+    with pytest.raises(ValueError, match=r"^directory must be a str or os\.PathLike, got NoneType None"):
+        Drafter(mtp, 1, 8, compile=False).save_compiled(None)
+
+
+def test_from_pretrained_takes_every_integer_type_for_num_depths(tiny_checkpoint):
+    np = pytest.importorskip("numpy")
+    assert InklingMTP.from_pretrained(tiny_checkpoint, num_depths=np.int64(1)).config.num_depths == 1

@@ -423,6 +423,7 @@ class Drafter:
 
         The package holds code only (no weights, no cache) and records what it was built for; see
         :meth:`load_compiled`. Each step is one AOTInductor compile (seconds to a minute on a small CPU)."""
+        directory = arguments.path("directory", directory)
         batch_sizes = self.batch_buckets if batch_sizes is None else arguments.size_tuple("batch_sizes", batch_sizes)
         rows = self.graph_rows if rows is None else arguments.size_tuple("rows", rows)
         if batch_sizes and batch_sizes[-1] > self.max_batch_size:
@@ -443,10 +444,12 @@ class Drafter:
         (``num_speculative_tokens``, default: the package's), device, torch or pass version is a ``PackageMismatch``
         naming what differs, or with ``fallback=True`` a warning, and every bucket then runs the usual step
         (``torch.compile`` by default)."""
-        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
+        directory = arguments.path("directory", directory)
         _check_model(model)
+        arguments.check_bool("fallback", fallback)
         if num_speculative_tokens is not None:
             _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
+        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
         k = manifest["built_for"].get("num_speculative_tokens") if num_speculative_tokens is None \
             else num_speculative_tokens
         inductor = _compile_options(compile_options, model.device.type == "cuda", fast_inductor_options(model))
