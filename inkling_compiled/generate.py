@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("prompt_len", "batch", "max_new_tokens", "num_speculative_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
+        parser.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
     for flag, check in (("--temperature", lambda: arguments.temperature(args.temperature)),
                         ("--top-p", lambda: arguments.top_p(args.top_p)),
                         ("--device", lambda: arguments.device(args.device, "--device", runs=True)),
@@ -86,6 +88,7 @@ def _check_checkpoint(value) -> None:
 
 def build(args):
     """(path, target, drafter) for the parsed arguments."""
+    from .checkpoint.reader import open_checkpoint
     from .model import InklingMTP
     from .runtime.drafter import Drafter
     from .testing.synthetic import cached_checkpoint, load_hf_target
@@ -102,6 +105,7 @@ def build(args):
             from .training.distill import distill
 
             path = distill(path)
+    open_checkpoint(path)  # the library's own checks of config and files, before transformers reads them
     dtype = DTYPES[args.dtype]
     target = load_hf_target(path, dtype=dtype).to(args.device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device)

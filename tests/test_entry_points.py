@@ -254,6 +254,13 @@ def test_cli_refuses_a_directory_without_a_config(tmp_path, capsys, no_loading):
     assert "--checkpoint" in line and "config.json" in line
 
 
+def test_cli_checks_the_checkpoint_itself_before_transformers_reads_it(tmp_path, capsys, no_loading):
+    """A config.json that is no Inkling config was transformers' error about a missing model.safetensors."""
+    (tmp_path / "config.json").write_text("{}")
+    line = _cli_error(["--checkpoint", str(tmp_path)], capsys)
+    assert "config.json" in line and "is not an Inkling config" in line
+
+
 @pytest.mark.parametrize("device", ["banana", "cuda:0" if not torch.cuda.is_available() else "cuda:99", "meta"])
 def test_cli_refuses_an_unusable_device(device, capsys, no_loading):
     line = _cli_error(["--device", device], capsys)
@@ -262,7 +269,8 @@ def test_cli_refuses_an_unusable_device(device, capsys, no_loading):
 
 @pytest.mark.parametrize("argv, name", [(["-k", "0"], "--num-speculative-tokens"), (["--top-p", "0"], "--top-p"),
                                         (["--top-p", "nan"], "--top-p"), (["--temperature", "-1"], "--temperature"),
-                                        (["--temperature", "inf"], "--temperature"), (["--batch", "0"], "--batch")])
+                                        (["--temperature", "inf"], "--temperature"), (["--batch", "0"], "--batch"),
+                                        (["--seed", str(2**70)], "--seed")])
 def test_cli_refuses_bad_numbers_before_loading(argv, name, capsys, no_loading):
     assert name in _cli_error(argv, capsys)
 
