@@ -363,3 +363,13 @@ def test_package_arguments_are_checked_before_reading_anything(tmp_path):
 def test_from_pretrained_takes_every_integer_type_for_num_depths(tiny_checkpoint):
     np = pytest.importorskip("numpy")
     assert InklingMTP.from_pretrained(tiny_checkpoint, num_depths=np.int64(1)).config.num_depths == 1
+
+
+def test_text_target_build_arguments_are_checked():
+    """Checked before the corpus is read or anything is trained."""
+    for kwargs, message in ((dict(recipe="reduced"), "recipe must be a Recipe, got str"),
+                            (dict(force=1), "force must be a bool, got 1"),
+                            (dict(progress="no"), "progress must be a bool, got 'no'"),
+                            (dict(root=7), "root must be a str or os.PathLike, got int 7")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            text_target.build(**{"recipe": text_target.REDUCED, **kwargs})

@@ -359,7 +359,7 @@ def cache_key(corpus: Corpus, recipe: Recipe) -> str:
 def target_dir(recipe: Recipe = RECIPE, *, root=None, corpus: Corpus | None = None) -> Path:
     """Where :func:`build` puts (or finds) the text target for ``recipe`` and the corpus."""
     corpus = corpus if corpus is not None else load_corpus()
-    root = Path(root) if root is not None else default_root()
+    root = arguments.path("root", root) if root is not None else default_root()
     return root / f"text-{cache_key(corpus, recipe)}"
 
 
@@ -429,6 +429,10 @@ def build(recipe: Recipe = RECIPE, *, root=None, corpus: Corpus | None = None, f
     """
     from . import distill as D
 
+    if not isinstance(recipe, Recipe):
+        raise ArgumentError(f"recipe must be a Recipe, got {type(recipe).__name__}")
+    arguments.check_bool("force", force)
+    arguments.check_bool("progress", progress)
     corpus = corpus if corpus is not None else load_corpus()
     final = target_dir(recipe, root=root, corpus=corpus)
     if is_built(final) and not force:
