@@ -21,6 +21,7 @@ from inkling_compiled.runtime.speculative import speculative_generate
 from tests.helpers import random_mtp
 from tests.runtime.test_speculative import StandInDrafter, make_target
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency (hypothesis) at its lowest version
 SWEEP = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float16, torch.bfloat16,
