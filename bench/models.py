@@ -72,7 +72,7 @@ def _random_models(preset: str, device: torch.device, dtype: torch.dtype, peer: 
 
 
 def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str | None = None, peer: bool = True,
-                seed: int = 0, progress=None) -> Models:
+                seed: int = 0) -> Models:
     """Build ``preset``'s models on ``device`` in ``dtype`` (see module doc); ``peer=False`` skips transformers."""
     device = torch.device(device)
     weights = weights or ("random" if preset == "full" else "checkpoint")
@@ -80,10 +80,15 @@ def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str 
         return _random_models(preset, device, dtype, peer, seed)
     if weights != "checkpoint":
         raise ValueError(f"weights must be 'checkpoint' or 'random', got {weights!r}")
-    if progress:
-        progress(f"{preset}: synthetic checkpoint (generated once, cached)")
     path = cached_checkpoint(preset, seed=seed, **preset_overrides(preset))
-    return load_checkpoint_models(path, preset=preset, device=device, dtype=dtype, peer=peer)
+    target = hf_mtp = None
+    if peer:
+        target = load_hf_target(path, dtype=dtype).to(device).requires_grad_(False)
+        hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype).requires_grad_(False)
+        mtp = InklingMTP.from_pretrained(path, target=target)
+    else:
+        mtp = InklingMTP.from_pretrained(path, dtype=dtype, device=device)
+    return Models(preset, "checkpoint", device, dtype, mtp.eval(), target, hf_mtp, path)
 
 
 def distilled(preset: str = "tiny8", steps: int | None = None) -> Path:
@@ -99,18 +104,3 @@ def left_pad(prompts: list[torch.Tensor], pad_token_id: int = 0) -> tuple[torch.
     for b, p in enumerate(prompts):
         ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
     return ids, mask
-
-
-def load_checkpoint_models(path, *, preset: str = "custom", device="cpu", dtype=torch.float32,
-                           peer: bool = True) -> Models:
-    """Models from a raw-layout checkpoint directory (e.g. a distilled one)."""
-    device = torch.device(device)
-    path = Path(path)
-    target = hf_mtp = None
-    if peer:
-        target = load_hf_target(path, dtype=dtype).to(device).requires_grad_(False)
-        hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype).requires_grad_(False)
-        mtp = InklingMTP.from_pretrained(path, target=target)
-    else:
-        mtp = InklingMTP.from_pretrained(path, dtype=dtype, device=device)
-    return Models(preset, "checkpoint", device, dtype, mtp.eval(), target, hf_mtp, path)
