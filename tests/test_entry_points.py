@@ -314,7 +314,8 @@ def test_the_loop_names_a_target_or_drafter_of_the_wrong_kind(pair, which):
         speculative_generate(args["target"], args["drafter"], *prompts(), max_new_tokens=3)
 
 
-@pytest.mark.parametrize("size", [dict(batch_size=10**9, max_length=64), dict(batch_size=2, max_length=10**12)])
+@pytest.mark.parametrize("size", [dict(batch_size=10**9, max_length=64), dict(batch_size=2, max_length=10**12),
+                                  dict(batch_size=10**9, max_length=10**9)])  # the last overflows torch's size
 def test_a_cache_too_large_to_allocate_names_its_sizes(size):
     mtp = random_mtp()
     with pytest.raises(MemoryError, match=rf"batch_size={size['batch_size']}, max_length={size['max_length']} needs "):
@@ -373,3 +374,16 @@ def test_text_target_build_arguments_are_checked():
                             (dict(root=7), "root must be a str or os.PathLike, got int 7")):
         with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
             text_target.build(**{"recipe": text_target.REDUCED, **kwargs})
+
+
+@pytest.mark.parametrize("hidden, message", [
+    (torch.randn(2, 65), r"hidden has shape \(2, 65\), expected \(\.\.\., 64\)"),
+    (torch.ones(2, 64, dtype=torch.long), "hidden has dtype torch.int64, the model runs in torch.float32"),
+    ([0.0] * 64, "hidden must be a torch.Tensor, got list"),
+    (torch.randn(0, 64).reshape(0), r"hidden has shape \(0,\), expected \(\.\.\., 64\)"),
+])
+@pytest.mark.parametrize("method", ["compute_logits", "get_top_tokens"])
+def test_the_head_names_a_bad_hidden(method, hidden, message):
+    """The head's public methods check their hidden as forward does: not a matmul error or an integer hidden taken."""
+    with pytest.raises(ValueError, match=message):
+        getattr(random_mtp(), method)(hidden)

@@ -86,7 +86,8 @@ class MTPCache:
                 for g in config.depths
             ]
         except RuntimeError as e:  # torch.OutOfMemoryError too: name the sizes, not the allocator's internals
-            if "alloc" not in str(e) and not isinstance(e, torch.OutOfMemoryError):
+            # a size past what torch can index fails before allocating ("Storage size calculation overflowed")
+            if not any(word in str(e) for word in ("alloc", "overflow")) and not isinstance(e, torch.OutOfMemoryError):
                 raise
             per_slot = sum(4 * g.num_kv_heads * g.head_dim + 2 * config.hidden_size for g in config.depths)
             need = batch_size * slots * per_slot * torch.empty(0, dtype=dtype).element_size()

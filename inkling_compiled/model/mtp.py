@@ -184,6 +184,8 @@ class InklingMTP(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(hidden / mup) @ lm_head.T`` truncated to the unpadded vocab: [..., logits_vocab_size]."""
+        if not torch.compiler.is_compiling():
+            validation.check_hidden(self, hidden)
         if self.quantized_head is not None:  # its rows are the unpadded vocab, its scales carry 1/mup
             return self.quantized_head(hidden)
         return mup_logits(hidden, self.lm_head_weight, self.config.mup, self.config.logits_vocab_size)

@@ -147,6 +147,18 @@ def _check_values(model, input_ids, inputs_embeds, positions, previous_hidden, p
                          f"with a cache the real rows of a sequence are consecutive positions ({note})")
 
 
+def check_hidden(model: nn.Module, hidden) -> None:
+    """The head's input: a tensor [..., H] in the model's dtype and on its device (else a matmul error, or an
+    integer hidden silently promoted)."""
+    if not isinstance(hidden, torch.Tensor):
+        raise ValueError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dim() < 1 or hidden.shape[-1] != model.config.hidden_size:
+        raise ValueError(f"hidden has shape {tuple(hidden.shape)}, expected (..., {model.config.hidden_size})")
+    if hidden.dtype != model.dtype:
+        raise ValueError(f"hidden has dtype {hidden.dtype}, the model runs in {model.dtype}")
+    _check_device("hidden", hidden, model.device)
+
+
 def _some(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
