@@ -114,3 +114,20 @@ def test_citation_pattern(text, expected):
 def test_heading_pattern_matches_whole_numbers_only():
     text = "## §6 Protocol\n### §6.5 Rounds\n#### §6.50 Other\nnot a heading §7\n"
     assert HEADING.findall(text) == ["6", "6.5", "6.50"]
+
+
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+# a backticked path into the repository's own folders: `bench/gpu_check.sh`, `inkling_compiled/model/mtp.py`
+REPO_PATH = re.compile(r"`((?:inkling_compiled|bench|tests|docs)/[\w./-]*\.(?:py|md|sh|png|json))`")
+
+
+def test_every_link_and_cited_path_in_the_docs_exists():
+    """A markdown link (relative to the file holding it) or a backticked repository path in the README or docs/ names
+    a file that exists: the section check above does not see `[usage](docs/usage.md)` or `bench/gpu_check.sh`."""
+    missing = []
+    for path in [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        targets = [(path.parent / t, t) for t in LINK.findall(text) if "://" not in t]
+        targets += [(ROOT / t, t) for t in REPO_PATH.findall(text) if "NAME" not in t]  # NAME: a placeholder
+        missing += [f"{path.relative_to(ROOT)}: {shown}" for target, shown in targets if not target.exists()]
+    assert not missing, "links / paths to files that do not exist:\n  " + "\n  ".join(missing)
