@@ -1,0 +1,136 @@
+"""Tensor-parallel draft head (docs/model.md §11) on 2 and 4 gloo ranks against the unsharded model, in one spawn per
+world size: every depth over a cached stream (fp32, 1e-5), greedy tokens with ties and padded ids, the drafter's
+rounds, and lossless speculative generation (greedy and sampled) equal on every rank to the unsharded run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inkling_compiled import InklingMTP
+from inkling_compiled.runtime import Drafter, speculative_generate
+from inkling_compiled.testing.distributed import run_ranks
+from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target, tiny_config, write_checkpoint
+
+# tiny, with 4 query and 4 KV heads on both depth geometries so that 4 ranks hold one whole head each
+TP_HEADS = dict(num_attention_heads=4, num_key_value_heads=4, swa_num_attention_heads=4, swa_num_key_value_heads=4,
+                head_dim=16, swa_head_dim=16)
+TOL = dict(atol=1e-5, rtol=1e-5)
+MAX_LENGTH = 12
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "ckpt"
+    write_checkpoint(path, tiny_config(**TP_HEADS))
+    return path
+
+
+def _stream(config, gen):
+    """A cached stream: a 6-row prefill (one sequence left-padded), then decode calls of 1 and 2 rows."""
+    batch, h = 2, config.hidden_size
+    calls, start = [], 0
+    for rows in (6, 1, 2, 1, 2):
+        positions = torch.arange(start, start + rows).expand(batch, rows).clone()
+        calls.append((torch.randint(0, config.logits_vocab_size, (batch, rows), generator=gen), positions,
+                      torch.randn(batch, rows, h, generator=gen)))
+        start += rows
+    calls[0][1][1, :2] = MAX_LENGTH  # padding rows of sequence 1, at the cache's scratch slot
+    return calls
+
+
+def _integer_head(config, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head [V, H], hidden [64, H]) whose logits are small exact integers: ties everywhere, and a tied best row in
+    two shards (ids 10 and V - 40); padded rows that would win every row if they were not masked."""
+    v, h, kept = config.vocab_size, config.hidden_size, config.logits_vocab_size
+    head = torch.randint(-1, 2, (v, h), generator=gen).float()
+    head[v - 40] = head[10]
+    head[kept:] = 2.0
+    hidden = torch.randint(0, 2, (64, h), generator=gen).float()
+    hidden[:8] = head[10].clamp(min=0)  # rows 10 and V - 40 both give the largest logit
+    return head, hidden * config.mup
+
+
+def _checks(mesh, path) -> dict:
+    full = InklingMTP.from_pretrained(path)
+    tp = InklingMTP.from_pretrained(path, device_mesh=mesh)
+    rank = mesh.get_local_rank()
+    config, gen = full.config, torch.Generator().manual_seed(0)
+    result = {}
+
+    # every depth over one cached stream, and without a cache
+    caches = full.new_cache(2, MAX_LENGTH), tp.new_cache(2, MAX_LENGTH)
+    for step, (ids, positions, hidden) in enumerate(_stream(config, gen)):
+        for depth in range(config.num_depths):
+            want, got = (m(ids, positions, hidden, cache, depth) for m, cache in zip((full, tp), caches))
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m, s=step, d=depth: f"step {s} depth {d}: {m}")
+            torch.testing.assert_close(tp.compute_logits(got), full.compute_logits(got), **TOL)
+            assert torch.equal(tp.get_top_tokens(want), full.get_top_tokens(want))
+    stateless = torch.randint(0, config.logits_vocab_size, (2, 7), generator=gen), torch.arange(7).expand(2, 7)
+    hidden = torch.randn(2, 7, config.hidden_size, generator=gen)
+    for depth in range(config.num_depths):
+        torch.testing.assert_close(tp(*stateless, hidden, depth=depth), full(*stateless, hidden, depth=depth), **TOL)
+    result["head_rows"] = tp.lm_head_weight.shape[0]
+
+    # greedy tokens: exact ties across shards and padded ids, as the one-process argmax
+    head, top_hidden = _integer_head(config, gen)
+    full.lm_head_weight.data.copy_(head)
+    tp.lm_head_weight.data.copy_(tp.parallel.shards(config)["lm_head_weight"].take(head))
+    logits = top_hidden.double() @ head.double().T / config.mup
+    reference = logits[:, : config.logits_vocab_size].argmax(dim=-1)
+    ties = (logits[:, : config.logits_vocab_size] == logits[:, : config.logits_vocab_size].amax(-1, keepdim=True))
+    result["tied_rows"] = int((ties.sum(-1) > 1).sum())
+    result["cross_shard_tie"] = bool(ties[:8, 10].all() and ties[:8, config.vocab_size - 40].all())
+    for shape in ((64,), (8, 8), (2, 4, 8)):
+        x = top_hidden.view(*shape, -1)
+        assert torch.equal(tp.get_top_tokens(x), reference.view(shape)), shape
+        assert torch.equal(full.get_top_tokens(x), reference.view(shape)), shape
+    result["top_tokens"] = tp.get_top_tokens(top_hidden)
+    return result | {"rank": rank, **_decoding(mesh, path)}
+
+
+def _decoding(mesh, path) -> dict:
+    """The drafter's rounds (K = 2: the window prologue) and speculative generation, unsharded vs sharded."""
+    target = load_hf_target(path)
+    target.generation_config.eos_token_id = None
+    full = InklingMTP.from_pretrained(path, target=target)
+    tp = InklingMTP.from_pretrained(path, target=target, device_mesh=mesh)
+    start, stop = tp.parallel.vocab_rows(tp.config)
+    assert tp.lm_head_weight.data_ptr() == target.lm_head.weight[start].data_ptr()  # a view: no copy
+    assert tp.embed_weight is target.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(8, tp.config.logits_vocab_size, (2, 9), generator=gen)
+    mask = torch.ones_like(prompts)
+    mask[1, :3] = 0
+    out = {}
+    drafters = [Drafter(m, 2, 40, compile=False) for m in (full, tp)]
+    for temperature in (0.0, 0.8):
+        runs = [speculative_generate(target, d, prompts, mask, max_new_tokens=12, temperature=temperature,
+                                     generator=torch.Generator().manual_seed(7)) for d in drafters]
+        assert torch.equal(runs[1].sequences, runs[0].sequences), temperature
+        assert runs[1].accepted_per_round == runs[0].accepted_per_round
+        out[f"sequences@{temperature}"] = runs[1].sequences
+    reference = target.generate(prompts, attention_mask=mask, generation_config=greedy_generation_config(target, 12))
+    assert torch.equal(out["sequences@0.0"], reference)
+    rows = torch.randint(0, tp.config.logits_vocab_size, (2, 3), generator=gen), torch.arange(3).expand(2, 3)
+    hidden = torch.randn(2, 3, tp.config.hidden_size, generator=gen)
+    for temperature in (0.0, 0.8):
+        results = [d.draft(*rows, hidden, temperature=temperature, generator=torch.Generator().manual_seed(3))
+                   for d in drafters]
+        assert torch.equal(results[1].drafts, results[0].drafts)
+        torch.testing.assert_close(results[1].hidden, results[0].hidden, **TOL)
+        if temperature:
+            torch.testing.assert_close(results[1].draft_probs, results[0].draft_probs, **TOL)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_equals_unsharded(tp_checkpoint, world_size):
+    results = run_ranks(_checks, world_size, tp_checkpoint, timeout=240)
+    assert [r["rank"] for r in results] == list(range(world_size))
+    first = results[0]
+    assert first["tied_rows"] > 8 and first["cross_shard_tie"]  # the tie cases are really there
+    for r in results[1:]:  # every rank returns the same tokens
+        for key in ("top_tokens", "sequences@0.0", "sequences@0.8"):
+            assert torch.equal(r[key], first[key]), key
+    assert {r["head_rows"] for r in results} == {512 // world_size}
