@@ -4,7 +4,10 @@ Everything parallel lives here, so that the modules keep reading like the math: 
 columns of which tensor a rank holds), the row-parallel linear (the only place a depth communicates) and the
 vocab-parallel head (rank-local argmax + a tiny (value, id) gather). Every rank holds plain local tensors, and the
 collectives are ``torch.distributed._functional_collectives``: they trace into a ``torch.compile(fullgraph=True)``
-graph and export through AOTInductor, which DTensor-parallelised modules do not.
+graph and export through AOTInductor, which DTensor-parallelised modules do not. Only ``all_reduce`` is used: a gather
+is an all-reduce of rank-slotted zeros, because Inductor's C++ wrapper (the drafter's CPU default, and every
+AOTInductor package) cannot call ``all_gather_into_tensor`` in torch 2.13 ("arg type Any is not yet supported by
+custom_op_wrapper"); the payload is the gathered size, and adding zeros is exact.
 
 Per depth, by whole heads (GQA groups stay on one rank): q / k / v / r projections column-parallel, with the K / V
 short convs, the q/k norms and the KV cache of the rank's heads; the output projection row-parallel (one all-reduce).
@@ -23,9 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MTPConfig
-
-# renamed in torch 2.13; the older name warns there
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 # Per-depth parameter suffix -> (dim split by the plan, blocks along that dim each split on its own). Every other
 # parameter of a depth is replicated.
@@ -144,9 +144,9 @@ class TensorParallel:
         return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.group_name))
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[world, *x.shape]: every rank's ``x``, in rank order."""
-        gathered = _all_gather(x.contiguous().unsqueeze(0), 0, self.group_name)
-        return funcol.wait_tensor(gathered)
+        """[world, *x.shape]: every rank's ``x``, in rank order (each rank fills its own slot, the others add 0)."""
+        before, after = x.new_zeros(self.rank, *x.shape), x.new_zeros(self.world_size - 1 - self.rank, *x.shape)
+        return self.all_reduce(torch.cat([before, x.unsqueeze(0), after]))
 
     def top_tokens(self, local_logits: torch.Tensor, start: int) -> torch.Tensor:
         """Greedy ids [...] from each rank's logits over its kept vocab rows [..., n] (ids ``start``...).
