@@ -6,11 +6,15 @@ synthetic checkpoint, written once and cached), builds the drafter, generates fr
 Random MTP weights give (near) zero acceptance: the figures are only meaningful for trained or distilled heads.
 ``--text-target`` uses the tiny target trained on Python standard-library source instead
 (:mod:`inkling_compiled.training.text_target`): prompts are held-out source lines and the output is printed as text.
+``--tp N`` under ``torchrun --nproc-per-node N`` shards the draft head over the N ranks (docs/model.md §11; gloo on
+CPU, NCCL on CUDA, one GPU per rank); the target is replicated, every rank generates the same tokens and rank 0
+prints them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -46,8 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="greedy only: also run the target's own generate() and compare the tokens")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks for the draft head; launch with torchrun --nproc-per-node N")
     args = parser.parse_args(argv)
-    for name in ("prompt_len", "batch", "max_new_tokens"):
+    if args.tp > 1 and os.environ.get("WORLD_SIZE") != str(args.tp):
+        parser.error(f"--tp {args.tp} needs {args.tp} processes: launch with torchrun --nproc-per-node {args.tp} -m "
+                     f"inkling_compiled.generate --tp {args.tp} ... (WORLD_SIZE is {os.environ.get('WORLD_SIZE')})")
+    for name in ("prompt_len", "batch", "max_new_tokens", "tp"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.check and args.temperature > 0:
@@ -57,8 +66,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build(args):
-    """(path, target, drafter) for the parsed arguments."""
+def device_mesh(args):
+    """With ``--tp N``: join torchrun's process group (gloo on CPU, NCCL on CUDA with one GPU per local rank) and
+    return its 1-D DeviceMesh; ``args.device`` becomes this rank's device. None without."""
+    if args.tp == 1:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind = torch.device(args.device).type
+    if kind == "cuda":
+        args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(args.device)
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    return init_device_mesh(kind, (args.tp,))
+
+
+def build(args, mesh=None):
+    """(path, target, drafter) for the parsed arguments (the draft head sharded over ``mesh`` when given)."""
     from .model import InklingMTP
     from .runtime.drafter import Drafter
     from .testing.synthetic import cached_checkpoint, load_hf_target
@@ -77,7 +102,7 @@ def build(args):
             path = distill(path)
     dtype = DTYPES[args.dtype]
     target = load_hf_target(path, dtype=dtype).to(args.device).requires_grad_(False)
-    mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device)
+    mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device, device_mesh=mesh)
     drafter = Drafter(mtp, max_batch_size=args.batch, max_length=args.prompt_len + args.max_new_tokens,
                       num_speculative_tokens=args.num_speculative_tokens, compile=not args.no_compile)
     return path, target, drafter
@@ -102,14 +127,36 @@ def make_prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(args.device), mask.to(args.device)
 
 
+def ranks_agree(sequences: torch.Tensor) -> bool:
+    """Whether every rank of the default process group generated ``sequences`` exactly (rank 0's, broadcast)."""
+    import torch.distributed as dist
+
+    reference = sequences.clone()
+    dist.broadcast(reference, src=0)
+    same = torch.tensor([int(torch.equal(reference, sequences))], device=sequences.device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    mesh = device_mesh(args)
+    try:
+        return generate(args, mesh)
+    finally:
+        if mesh is not None:
+            torch.distributed.destroy_process_group()
+
+
+def generate(args, mesh) -> int:
+    """Build, generate (after a warm-up call), print; 1 when a requested check fails."""
     from .config import logits_vocab_size
     from .runtime.speculative import speculative_generate
     from .testing.synthetic import greedy_generation_config
 
     torch.manual_seed(args.seed)
-    path, target, drafter = build(args)
+    say = print if mesh is None or mesh.get_rank() == 0 else (lambda *_: None)  # rank 0 speaks for all
+    path, target, drafter = build(args, mesh)
     ids, mask = make_prompts(args, logits_vocab_size(target.config.get_text_config()))
     eos = None if args.ignore_eos else target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
@@ -130,8 +177,8 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
 
-    print(f"checkpoint: {path}")
-    print(f"target: {type(target).__name__}, drafter compile={not args.no_compile}, device={args.device}, "
+    say(f"checkpoint: {path}")
+    say(f"target: {type(target).__name__}, drafter compile={not args.no_compile}, device={args.device}, "
           f"dtype={args.dtype}, temperature={args.temperature}, top_p={args.top_p}, eos={eos}")
     prompt_len = ids.shape[1]
     for b in range(ids.shape[0]):
@@ -140,26 +187,31 @@ def main(argv=None) -> int:
         if args.text_target:
             from .training.text_target import decode
 
-            print(f"[{b}] prompt ({real} bytes):\n{decode(prompt)}\n[{b}] generated ({new.shape[0]} tokens):\n"
+            say(f"[{b}] prompt ({real} bytes):\n{decode(prompt)}\n[{b}] generated ({new.shape[0]} tokens):\n"
                   f"{decode(new)}\n[{b}] end")
         else:
-            print(f"[{b}] prompt ({real}): {prompt.tolist()}")
-            print(f"[{b}] new    ({out.num_new_tokens}): {new.tolist()}")
-    print(f"drafted {out.num_drafted}, accepted {out.num_accepted}, acceptance rate {out.acceptance_rate:.3f}, "
+            say(f"[{b}] prompt ({real}): {prompt.tolist()}")
+            say(f"[{b}] new    ({out.num_new_tokens}): {new.tolist()}")
+    say(f"drafted {out.num_drafted}, accepted {out.num_accepted}, acceptance rate {out.acceptance_rate:.3f}, "
           f"mean accepted length {out.mean_accepted_length:.3f} tokens / target forward "
           f"({out.num_rounds} verify rounds + prefill)")
-    print(f"acceptance per position (K = {out.num_speculative_tokens}): "
+    say(f"acceptance per position (K = {out.num_speculative_tokens}): "
           f"{' '.join(f'{a:.3f}' for a in out.acceptance_per_position)}")
-    print(f"accepted per round: {out.accepted_per_round}")
-    print(f"tokens per round:   {out.emitted_per_round}")
+    say(f"accepted per round: {out.accepted_per_round}")
+    say(f"tokens per round:   {out.emitted_per_round}")
     new_tokens = out.num_new_tokens * ids.shape[0]
-    print(f"time {seconds * 1e3:.1f} ms, {new_tokens / seconds:.1f} tokens/s"
+    say(f"time {seconds * 1e3:.1f} ms, {new_tokens / seconds:.1f} tokens/s"
           f"{'' if args.no_warmup else ' (after one warm-up call)'}")
+    if mesh is not None:
+        agree = ranks_agree(out.sequences)
+        say(f"tensor-parallel ranks (--tp {args.tp}) generated the same tokens: {agree}")
+        if not agree:
+            return 1
     if args.check:
         config = greedy_generation_config(target, args.max_new_tokens, eos_token_id=eos)
         reference = target.generate(ids, attention_mask=mask, generation_config=config)
         same = torch.equal(reference, out.sequences)
-        print(f"greedy generate() match: {same}")
+        say(f"greedy generate() match: {same}")
         if not same:
             return 1
     return 0
