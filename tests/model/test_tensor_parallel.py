@@ -151,3 +151,34 @@ def test_torchrun_cli(tp_checkpoint):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "generated the same tokens: True" in done.stdout and "greedy generate() match: True" in done.stdout
     assert done.stdout.count("checkpoint:") == 1  # rank 0 speaks for both
+
+
+def _compiled_checks(mesh, path, package_root) -> dict:
+    """One depth, one bucket: the compiled round equals the eager one with no recompile over the stream, and the
+    rank's AOTInductor package (its rank in the manifest) equals the compiled round."""
+    model = InklingMTP.from_pretrained(path, device_mesh=mesh, num_depths=1)
+    rank = mesh.get_local_rank()
+    eager, compiled = (Drafter(model, 2, 16, compile=c, batch_buckets=(2,)) for c in (False, True))
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.config.logits_vocab_size, (2, 8), generator=gen)
+    hidden = torch.randn(2, 8, model.config.hidden_size, generator=gen)
+    drafts = {"eager": [], "compiled": []}
+    for t in range(8):  # one row per call: one compiled step, reused at every position
+        rows = ids[:, t : t + 1], torch.full((2, 1), t), hidden[:, t : t + 1]
+        with torch._dynamo.config.patch(error_on_recompile=t > 0):
+            for name, drafter in (("eager", eager), ("compiled", compiled)):
+                result = drafter.draft(*rows)
+                drafts[name].append(result.drafts)
+        assert torch.equal(drafts["compiled"][-1], drafts["eager"][-1]), t
+    directory = compiled.save_compiled(package_root / f"rank{rank}", batch_sizes=(2,), rows=(1,))
+    loaded = Drafter.load_compiled(directory, model)
+    assert loaded.packaged_buckets == ((2, 1, False),)
+    for t in range(8):
+        rows = ids[:, t : t + 1], torch.full((2, 1), t), hidden[:, t : t + 1]
+        assert torch.equal(loaded.draft(*rows).drafts, drafts["compiled"][t]), t
+    return {"drafts": torch.cat(drafts["compiled"], 1)}
+
+
+def test_compiled_and_packaged(tp_checkpoint, tmp_path):
+    results = run_ranks(_compiled_checks, 2, tp_checkpoint, tmp_path, timeout=600)
+    assert torch.equal(results[0]["drafts"], results[1]["drafts"])
