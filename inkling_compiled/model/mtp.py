@@ -111,8 +111,8 @@ class InklingMTP(nn.Module):
                   for name, p in model.named_parameters(remove_duplicate=False)}
         own, lent = checkpoint.read_state(shapes, dtype=dtype, device=device, target=target, progress=progress)
         own = {n: shards[n].take(t).clone() if n in shards else t for n, t in own.items()}  # TEMP until sliced reads
-        if parallel is not None and "lm_head_weight" in lent:  # this rank's rows of the target's head: a view
-            lent["lm_head_weight"] = nn.Parameter(shards["lm_head_weight"].take(lent["lm_head_weight"].detach()),
+        if parallel is not None and "lm_head_weight" in lent:  # this rank's rows of the target's head: no copy
+            lent["lm_head_weight"] = nn.Parameter(parallel.head_rows(lent["lm_head_weight"], checkpoint.config),
                                                   requires_grad=False)
         model.requires_grad_(False)
         for name, param in lent.items():  # load_state_dict(assign=True) gives a Parameter our requires_grad: keep

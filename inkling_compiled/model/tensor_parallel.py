@@ -37,6 +37,14 @@ _SPLIT = {**_COLUMN,
           "transformer_block.mlp.w2_md.weight": (1, 1)}
 _ROW_PARALLEL = ("attn.wo_ud", "mlp.w2_md")  # under each depth's transformer_block
 
+# The plan overrides for a transformers InklingForConditionalGeneration target run tensor-parallel
+# (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=T, tp_plan=TARGET_TP_PLAN))``, docs/model.md
+# §11.3): its LM head split by vocab rows (each rank's logits gathered, so the target still returns full logits),
+# whose local block the draft head then uses with no copy; and the embedding replicated, because the default
+# vocab-sharded one crashes on the first forward (DTensor's _MaskPartial under the normed embedding). For an
+# InklingForCausalLM the embedding's key is "model.embed_tokens".
+TARGET_TP_PLAN = {"model.language_model.embed_tokens": "replicate", "lm_head": "colwise_rep"}
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -136,6 +144,26 @@ class TensorParallel:
                 linear = getattr(owner, name)
                 setattr(owner, name, RowParallelLinear(linear.in_features, linear.out_features, self,
                                                        device=linear.weight.device, dtype=linear.weight.dtype))
+
+    def head_rows(self, head: torch.Tensor, config: MTPConfig) -> torch.Tensor:
+        """This rank's vocab rows of the target's LM head, with no copy: a view of a replicated head, or the local
+        block of a DTensor head split by rows over the same ranks (a transformers target loaded with
+        :data:`TARGET_TP_PLAN`). ValueError for a head split any other way (transformers' default plan splits it
+        along the hidden dim)."""
+        shard = self.shards(config)["lm_head_weight"]
+        placements = getattr(head, "placements", None)
+        if placements is None:
+            return shard.take(head.detach())
+        from torch.distributed.tensor import Shard as RowSplit
+
+        mesh = head.device_mesh
+        if (tuple(placements) != (RowSplit(0),) or mesh.size() != self.world_size
+                or mesh.get_local_rank() != self.rank):
+            raise ValueError(f"the target's LM head is a DTensor placed {tuple(placements)} over {mesh.size()} ranks; "
+                             f"the draft head shares it only split by vocab rows (Shard(0)) over its own "
+                             f"{self.world_size} ranks: load the target with DistributedConfig(tp_size="
+                             f"{self.world_size}, tp_plan=TARGET_TP_PLAN) (inkling_compiled.model.tensor_parallel)")
+        return head.detach().to_local()
 
     # -- communication ---------------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN
 from inkling_compiled.runtime import Drafter, speculative_generate
 from inkling_compiled.testing.distributed import run_ranks
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target, tiny_config, write_checkpoint
@@ -182,3 +183,32 @@ def _compiled_checks(mesh, path, package_root) -> dict:
 def test_compiled_and_packaged(tp_checkpoint, tmp_path):
     results = run_ranks(_compiled_checks, 2, tp_checkpoint, tmp_path, timeout=600)
     assert torch.equal(results[0]["drafts"], results[1]["drafts"])
+
+
+def _tp_target_checks(mesh, path) -> dict:
+    """A transformers target itself tensor-parallel with TARGET_TP_PLAN: the draft head uses its head's local block
+    (no copy) and decodes losslessly; one with transformers' default plan (head split along the hidden dim) is
+    refused with the fix named."""
+    from transformers import DistributedConfig, InklingForConditionalGeneration
+
+    def target(plan):
+        config = DistributedConfig(tp_size=mesh.size(), tp_plan=plan)
+        return InklingForConditionalGeneration.from_pretrained(str(path), distributed_config=config).eval()
+
+    sharded_target = target(TARGET_TP_PLAN)
+    tp = InklingMTP.from_pretrained(path, target=sharded_target, device_mesh=mesh)
+    assert tp.lm_head_weight.data_ptr() == sharded_target.lm_head.weight.to_local().data_ptr()
+    prompts = torch.randint(8, tp.config.logits_vocab_size, (2, 7), generator=torch.Generator().manual_seed(4))
+    out = speculative_generate(sharded_target, Drafter(tp, 2, 32, compile=False), prompts, max_new_tokens=8)
+    reference = sharded_target.generate(prompts, generation_config=greedy_generation_config(sharded_target, 8))
+    assert torch.equal(out.sequences, reference)
+    with pytest.raises(ValueError, match="TARGET_TP_PLAN"):
+        InklingMTP.from_pretrained(path, target=target(None), device_mesh=mesh)
+    return {"sequences": out.sequences}
+
+
+def test_tensor_parallel_transformers_target(tmp_path):
+    path = tmp_path / "dense"
+    write_checkpoint(path, tiny_config(moe=False, **TP_HEADS))  # the MoE target's TP plan crashes in transformers
+    results = run_ranks(_tp_target_checks, 2, path, timeout=240)
+    assert torch.equal(results[0]["sequences"], results[1]["sequences"])
