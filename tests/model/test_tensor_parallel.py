@@ -212,3 +212,29 @@ def test_tensor_parallel_transformers_target(tmp_path):
     write_checkpoint(path, tiny_config(moe=False, **TP_HEADS))  # the MoE target's TP plan crashes in transformers
     results = run_ranks(_tp_target_checks, 2, path, timeout=240)
     assert torch.equal(results[0]["sequences"], results[1]["sequences"])
+
+
+def _cuda_graph_checks(mesh, path) -> dict:
+    """NCCL, one GPU per rank: the CUDA-graph round (collectives captured inside it) equals the eager round."""
+    device = f"cuda:{mesh.get_local_rank()}"
+    model = InklingMTP.from_pretrained(path, device_mesh=mesh, device=device)
+    eager, graphed = (Drafter(model, 2, 16, compile=c, batch_buckets=(2,)) for c in (False, True))
+    assert graphed.cuda_graphs
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.logits_vocab_size, (2, 6), generator=gen).to(device)
+    hidden = torch.randn(2, 6, model.config.hidden_size, generator=gen).to(device)
+    drafts = []
+    for t in range(6):
+        rows = ids[:, t : t + 1], torch.full((2, 1), t, device=device), hidden[:, t : t + 1]
+        want, got = eager.draft(*rows), graphed.draft(*rows)
+        assert torch.equal(got.drafts, want.drafts), t
+        drafts.append(got.drafts.cpu())
+    assert graphed.uses_graph(2, 1)
+    return {"drafts": torch.cat(drafts, 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+def test_cuda_graphs_nccl(tp_checkpoint):
+    results = run_ranks(_cuda_graph_checks, 2, tp_checkpoint, timeout=600, device="cuda")
+    assert torch.equal(results[0]["drafts"], results[1]["drafts"])
