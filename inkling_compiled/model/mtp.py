@@ -109,8 +109,8 @@ class InklingMTP(nn.Module):
         shards = parallel.shards(checkpoint.config) if parallel is not None else {}
         shapes = {name: shards[name].full_shape(p.shape) if name in shards else p.shape
                   for name, p in model.named_parameters(remove_duplicate=False)}
-        own, lent = checkpoint.read_state(shapes, dtype=dtype, device=device, target=target, progress=progress)
-        own = {n: shards[n].take(t).clone() if n in shards else t for n, t in own.items()}  # TEMP until sliced reads
+        own, lent = checkpoint.read_state(shapes, dtype=dtype, device=device, target=target, progress=progress,
+                                          shards=shards)
         if parallel is not None and "lm_head_weight" in lent:  # this rank's rows of the target's head: no copy
             lent["lm_head_weight"] = nn.Parameter(parallel.head_rows(lent["lm_head_weight"], checkpoint.config),
                                                   requires_grad=False)

@@ -25,6 +25,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint.layout import Shard
 from ..config import MTPConfig
 
 # Per-depth parameter suffix -> (dim split by the plan, blocks along that dim each split on its own). Every other
@@ -44,31 +45,6 @@ _ROW_PARALLEL = ("attn.wo_ud", "mlp.w2_md")  # under each depth's transformer_bl
 # vocab-sharded one crashes on the first forward (DTensor's _MaskPartial under the normed embedding). For an
 # InklingForCausalLM the embedding's key is "model.embed_tokens".
 TARGET_TP_PLAN = {"model.language_model.embed_tokens": "replicate", "lm_head": "colwise_rep"}
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Part ``index`` of ``count`` of a tensor along ``dim``; with ``blocks`` > 1 the dim is ``blocks`` equal blocks
-    (a fused [gate; up]) and the part is taken from each block, then concatenated."""
-
-    dim: int
-    index: int
-    count: int
-    blocks: int = 1
-
-    def ranges(self, size: int) -> list[tuple[int, int]]:
-        """The [start, stop) spans of the full dim (``size``) that the part holds, in order."""
-        block = size // self.blocks
-        part = block // self.count
-        return [(b * block + self.index * part, b * block + (self.index + 1) * part) for b in range(self.blocks)]
-
-    def full_shape(self, local: torch.Size) -> tuple[int, ...]:
-        return tuple(n * self.count if d == self.dim else n for d, n in enumerate(local))
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """The part of ``full``: a view when it is one span (no copy), else the spans concatenated."""
-        spans = [full.narrow(self.dim, start, stop - start) for start, stop in self.ranges(full.shape[self.dim])]
-        return spans[0] if len(spans) == 1 else torch.cat(spans, dim=self.dim)
 
 
 @dataclass(frozen=True)

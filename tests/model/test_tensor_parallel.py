@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
-from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN
+from inkling_compiled.checkpoint import raw_key
+from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN, TensorParallel
 from inkling_compiled.runtime import Drafter, speculative_generate
 from inkling_compiled.testing.distributed import run_ranks
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target, tiny_config, write_checkpoint
@@ -238,3 +239,46 @@ def _cuda_graph_checks(mesh, path) -> dict:
 def test_cuda_graphs_nccl(tp_checkpoint):
     results = run_ranks(_cuda_graph_checks, 2, tp_checkpoint, timeout=600, device="cuda")
     assert torch.equal(results[0]["drafts"], results[1]["drafts"])
+
+
+def test_each_rank_reads_only_slices(tp_checkpoint, monkeypatch):
+    """No process group needed: rank r's read of the files is the part of the full tensors its plan names (w13:
+    each half's rows), and the sharded tensors are read as slices, never whole."""
+    from inkling_compiled.checkpoint import open_checkpoint, reader
+
+    checkpoint = open_checkpoint(tp_checkpoint)
+    full_shapes = {n: p.shape for n, p in InklingMTP(checkpoint.config).to("meta").named_parameters()}
+    full, _ = checkpoint.read_state(full_shapes)
+    whole_reads, safe_open = [], reader.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.handle = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def get_tensor(self, key):
+            whole_reads.append(key)
+            return self.handle.get_tensor(key)
+
+        def __getattr__(self, name):  # keys, get_slice, ...
+            return getattr(self.handle, name)
+
+    monkeypatch.setattr(reader, "safe_open", Recording)
+    for rank in range(4):
+        shards = TensorParallel("unused", rank, 4).shards(checkpoint.config)
+        whole_reads.clear()
+        part, _ = checkpoint.read_state(full_shapes, shards=shards)
+        assert not set(whole_reads) & {raw_key(n) for n in shards}
+        for name, tensor in part.items():
+            want = shards[name].take(full[name]) if name in shards else full[name]
+            assert torch.equal(tensor, want), (rank, name)
+    gate_up = part["layers.0.transformer_block.mlp.w13_dn.weight"]
+    intermediate = checkpoint.config.intermediate_size
+    assert torch.equal(gate_up[: intermediate // 4], full["layers.0.transformer_block.mlp.w13_dn.weight"][
+        3 * intermediate // 4 : intermediate])  # rank 3's gate rows, then its up rows
