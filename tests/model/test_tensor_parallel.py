@@ -10,11 +10,13 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.checkpoint import raw_key
 from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN, TensorParallel
 from inkling_compiled.runtime import Drafter, speculative_generate
+from inkling_compiled.runtime.packaged import PackageMismatch
 from inkling_compiled.testing.distributed import run_ranks
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target, tiny_config, write_checkpoint
 
@@ -178,6 +180,10 @@ def _compiled_checks(mesh, path, package_root) -> dict:
     for t in range(8):
         rows = ids[:, t : t + 1], torch.full((2, 1), t), hidden[:, t : t + 1]
         assert torch.equal(loaded.draft(*rows).drafts, drafts["compiled"][t]), t
+    other = package_root / f"rank{1 - rank}"  # the other rank's package: its shards, not ours
+    dist.barrier()
+    with pytest.raises(PackageMismatch, match=f"tensor_parallel 'rank {1 - rank} of 2' vs 'rank {rank} of 2'"):
+        Drafter.load_compiled(other, model)
     return {"drafts": torch.cat(drafts["compiled"], 1)}
 
 
