@@ -10,6 +10,8 @@ eager, median of ``rounds``). Computed, for the full Inkling config at T = 8 and
 scheme (its LM head split along the hidden dim: a [B, V] all-reduce per depth) and SGLang's (a [B, V] all-gather of
 the full-vocab logits per depth), and the per-rank parameter bytes at T = 2, 4, 8.
 
+The ``tp`` section of ``python -m bench`` (CPU only; ``--quick`` runs fewer rounds), or on its own:
+
     python -m bench.tp [--preset small] [--world-sizes 1,2] [--rounds 20] [--json out.json]
 """
 
@@ -33,6 +35,7 @@ from inkling_compiled.testing.distributed import run_ranks
 from inkling_compiled.testing.synthetic import cached_checkpoint, preset_config
 
 FULL_WORLD = 8
+PRESET, ROUNDS, QUICK_ROUNDS = "small", 20, 5
 COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"}
 BF16 = 2  # bytes
 
@@ -64,7 +67,7 @@ class FullSize:
     transformers_bytes: int  # per round: a [B, V] all-reduce per depth
     sglang_bytes: int  # per round: a [B, V] all-gather per depth
     head_ratio: float  # [B, V] gather / our [T, B, 2]: the goal is >= 1000
-    parameter_bytes: dict  # T -> one rank's parameter bytes (embedding aside)
+    parameter_bytes: dict  # "T" -> one rank's parameter bytes (embedding aside)
     unsharded_bytes: int
 
 
@@ -158,15 +161,20 @@ def full_size(world: int = FULL_WORLD, batch: int = 1) -> FullSize:
     with torch.device("meta"):
         unsharded = parameter_bytes(InklingMTP(config).to(torch.bfloat16))
         for t in (2, 4, 8):
-            per_rank[t] = parameter_bytes(InklingMTP(config, TensorParallel("", 0, t)).to(torch.bfloat16))
+            per_rank[str(t)] = parameter_bytes(InklingMTP(config, TensorParallel("", 0, t)).to(torch.bfloat16))
     return FullSize(world, k, rows, k * (2 * batch * rows * h * BF16 + head), head, batch * v * BF16,
                     k * batch * v * BF16, k * batch * v * BF16, batch * v * BF16 / head, per_rank, unsharded)
 
 
-def measure(preset: str = "small", world_sizes=(1, 2), batch: int = 1, rounds: int = 20) -> TPResult:
+def measure_tp(preset: str = PRESET, world_sizes=(1, 2), batch: int = 1, rounds: int = ROUNDS) -> TPResult:
     path = cached_checkpoint(preset)
     runs = measure_runs(path, world_sizes, batch, rounds)
     return TPResult(preset, batch, InklingMTP.from_pretrained(path).config.num_depths, runs, full_size())
+
+
+def measure(ctx) -> TPResult:
+    """The section: the small preset at T = 1, 2."""
+    return measure_tp(rounds=QUICK_ROUNDS if ctx.settings.quick else ROUNDS)
 
 
 def lines(record: dict) -> list[str]:
@@ -192,13 +200,13 @@ def lines(record: dict) -> list[str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.tp", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="small")
+    parser.add_argument("--preset", default=PRESET)
     parser.add_argument("--world-sizes", default="1,2")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    result = measure(args.preset, tuple(int(w) for w in args.world_sizes.split(",")), args.batch, args.rounds)
+    result = measure_tp(args.preset, tuple(int(w) for w in args.world_sizes.split(",")), args.batch, args.rounds)
     record = json.loads(json.dumps(dataclasses.asdict(result)))
     print("\n".join(lines(record)))
     if args.json:
