@@ -187,6 +187,7 @@ def _compiled_checks(mesh, path, package_root) -> dict:
     return {"drafts": torch.cat(drafts["compiled"], 1)}
 
 
+@pytest.mark.slow  # two compiles per rank (the step, its AOTInductor package): ~2 minutes on 2 cores
 def test_compiled_and_packaged(tp_checkpoint, tmp_path):
     results = run_ranks(_compiled_checks, 2, tp_checkpoint, tmp_path, timeout=600)
     assert torch.equal(results[0]["drafts"], results[1]["drafts"])
