@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.checkpoint import raw_key
 from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN, TensorParallel
 from inkling_compiled.runtime import Drafter, speculative_generate
@@ -289,3 +290,21 @@ def test_each_rank_reads_only_slices(tp_checkpoint, monkeypatch):
     intermediate = checkpoint.config.intermediate_size
     assert torch.equal(gate_up[: intermediate // 4], full["layers.0.transformer_block.mlp.w13_dn.weight"][
         3 * intermediate // 4 : intermediate])  # rank 3's gate rows, then its up rows
+
+
+def test_refusals_name_the_problem(tp_checkpoint):
+    with pytest.raises(ValueError, match="device_mesh must be a torch.distributed DeviceMesh, got str"):
+        InklingMTP.from_pretrained(tp_checkpoint, device_mesh="cpu")
+    config = InklingMTP.from_pretrained(tp_checkpoint).config
+    with pytest.raises(ValueError, match=r"not multiples of 3: vocab_size 512, intermediate_size 128, depth 0 heads 4"):
+        TensorParallel("unused", 0, 3).local_config(config)
+    local = TensorParallel("unused", 1, 4).local_config(config)
+    assert [g.num_heads for g in local.depths] == [1, 1] and local.intermediate_size == 32
+    assert TensorParallel("unused", 3, 4).vocab_rows(config) == (384, 512)
+
+
+def test_cli_tp_needs_torchrun(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        generate_cli(["--tp", "2"])
+    assert "--tp 2 needs 2 processes: launch with torchrun --nproc-per-node 2" in capsys.readouterr().err
