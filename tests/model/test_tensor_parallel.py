@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from inkling_compiled import InklingMTP
-from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.checkpoint import raw_key
+from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN, TensorParallel
 from inkling_compiled.runtime import Drafter, speculative_generate
 from inkling_compiled.runtime.packaged import PackageMismatch
