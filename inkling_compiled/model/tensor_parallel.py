@@ -9,8 +9,9 @@ is an all-reduce of rank-slotted zeros, because Inductor's C++ wrapper (the draf
 AOTInductor package) cannot call ``all_gather_into_tensor`` in torch 2.13 ("arg type Any is not yet supported by
 custom_op_wrapper"); the payload is the gathered size, and adding zeros is exact.
 
-Per depth, by whole heads (GQA groups stay on one rank): q / k / v / r projections column-parallel, with the K / V
-short convs, the q/k norms and the KV cache of the rank's heads; the output projection row-parallel (one all-reduce).
+Per depth, by whole heads (GQA groups stay on one rank): q / k / v / r projections column-parallel, the K / V short
+convs and the KV cache going with the rank's heads (the q / k norms share one gain per head: replicated); the output
+projection row-parallel (one all-reduce).
 The MLP's fused [gate; up] GEMM is column-parallel per half, its down projection row-parallel (one all-reduce).
 Norms, ``input_proj``, the branch convs, the relative-bias table, the chain norm and the embedding are replicated
 (so the draft-input fusion keeps its one kernel); the LM head is split by vocabulary rows.
