@@ -86,7 +86,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
@@ -351,6 +350,8 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
         return torch.isin(tokens, eos_t)
 
     # -- prefill ------------------------------------------------------------------------------------------------
+    from transformers import DynamicCache  # here: importing the runtime must not import transformers
+
     cache = DynamicCache(config=target.config)
     hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True, dtype=draft_dtype)
     first = choose(logits[:, -1])
