@@ -63,9 +63,12 @@ def pass_manager() -> PassManager:
     Building it imports ``torch._inductor`` (which installs the manager if :func:`install` was called)."""
     global _manager
     if _manager is None:
+        import torch._inductor  # noqa: F401 (first, not from manager.py: its import hook may build the manager)
+
         from .manager import PassManager
 
-        _manager = PassManager(FUSIONS)
+        if _manager is None:
+            _manager = PassManager(FUSIONS)
     return _manager
 
 
