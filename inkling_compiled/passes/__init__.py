@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .manager import ChainedPass, PassManager
 
 __all__ = ["ENV_VAR", "ChainedPass", "Fusion", "PassManager", "enabled_by_env", "install", "installed",
-           "match_counts", "pass_manager", "reset_match_counts", "uninstall", "version"]
+           "match_counts", "pass_manager", "pending", "reset_match_counts", "uninstall", "version"]
 
 ENV_VAR = "INKLING_COMPILED_PASSES"  # "0" / "false" / "off" / "no": install() does nothing
 _OFF = ("0", "false", "off", "no")
@@ -109,12 +109,13 @@ class _InstallAfterInductorImport:
 _hook = _InstallAfterInductorImport()
 
 
-def _armed() -> bool:
+def pending() -> bool:
+    """Whether an install waits for ``torch._inductor`` to be imported (the slot then holds exactly our manager)."""
     return _hook in sys.meta_path
 
 
 def _disarm() -> None:
-    if _armed():
+    if pending():
         sys.meta_path.remove(_hook)
 
 
@@ -167,9 +168,9 @@ def install() -> bool:
     ``INKLING_COMPILED_PASSES=0``.
     """
     if not enabled_by_env():
-        return installed() if _inductor_loaded() else _armed()
+        return installed() if _inductor_loaded() else pending()
     if not _inductor_loaded():
-        if not _armed():
+        if not pending():
             sys.meta_path.insert(0, _hook)
         return True
     from .manager import ChainedPass
@@ -185,7 +186,7 @@ def install() -> bool:
 def uninstall() -> bool:
     """Take the manager out of the slot (or disarm the pending install), leaving any other pass as it was. Returns
     whether it was installed."""
-    if _armed():
+    if pending():
         _disarm()
         return True
     if not _inductor_loaded():

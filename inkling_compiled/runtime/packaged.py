@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import passes
 from ..checkpoint import build_directory_atomically
 from ..model.cache import DepthCache
 from ..model.mtp import InklingMTP, MTPDepth
@@ -144,10 +146,17 @@ def device_kind(device: torch.device) -> str:
 
 def pass_version(inductor_options: Mapping):
     """The uuid of the post-grad custom pass a compile with these options runs (the caller's override, else the
-    installed slot): our pass manager's uuid, a chain's list of uuids, or None for stock Inductor."""
-    from torch._inductor import config
+    installed slot): our pass manager's uuid, a chain's list of uuids, or None for stock Inductor. Before Inductor is
+    imported the slot can only come to hold our manager (the install pending) or nothing: read without importing it,
+    so that loading a package costs no Inductor (docs/architecture.md §1)."""
+    if "post_grad_custom_post_pass" in inductor_options:
+        slot = inductor_options["post_grad_custom_post_pass"]
+    elif passes.INDUCTOR in sys.modules:
+        from torch._inductor import config
 
-    slot = inductor_options.get("post_grad_custom_post_pass", config.post_grad_custom_post_pass)
+        slot = config.post_grad_custom_post_pass
+    else:
+        return passes.version() if passes.pending() else None
     if slot is None:
         return None
     uuid = slot.uuid() if callable(getattr(slot, "uuid", None)) else None
