@@ -8,7 +8,7 @@ imported), and importing the package imports neither Inductor, Dynamo nor transf
 """
 
 from . import hf_compat, passes  # noqa: F401 (hf_compat first: importing it checks the transformers version)
-from .checkpoint import CheckpointError
+from .checkpoint.layout import CheckpointError
 from .config import ConfigError, MTPConfig
 from .model import InklingMTP, MTPCache
 
