@@ -349,7 +349,7 @@ def _step_name(key: tuple[int, int, bool], step: str) -> str:
     return f"b{batch}-r{rows}-{'sampled' if sampled else 'greedy'}-{step}"
 
 
-def _geometry_depths(drafter) -> list[int]:
+def geometry_depths(drafter) -> list[int]:
     """For each depth 0..K-1 of ``drafter``, the first depth of its geometry: the one whose step every depth of it
     runs."""
     geometries = drafter.model.config.depths
@@ -385,14 +385,14 @@ def save_rounds(drafter, directory, buckets: Sequence) -> Path:
         if drafter.history is not None:
             steps[_step_name(buffers.key, "window")] = (drafter._window, inputs, _history_state(drafter))
         sampling = (buffers.noise[0], buffers.inv_temperature) if buffers.sampled else ()
-        for k in sorted(set(_geometry_depths(drafter))):
+        for k in sorted(set(geometry_depths(drafter))):
             step = functools.partial(drafter._depth, model.layers[k], drafter.cache.depths[k])
             steps[_step_name(buffers.key, f"depth{k}")] = (step, inputs + sampling, _depth_state(drafter, k))
     layout = {"max_batch_size": drafter.max_batch_size, "max_length": drafter.max_length,
               "graph_rows": drafter.graph_rows,
               # the buckets a new Drafter given these rebuilds, with the same largest graph bucket
               "batch_buckets": [b for b in drafter.batch_buckets if b <= drafter.graph_batch_limit],
-              "buckets": [buffers.key for buffers in buckets], "depth_steps": _geometry_depths(drafter)}
+              "buckets": [buffers.key for buffers in buckets], "depth_steps": geometry_depths(drafter)}
     options = drafter._inductor_options
     return save(directory, steps, built_for=built_for(model, options, drafter.num_speculative_tokens), layout=layout,
                 inductor_options=options)
