@@ -42,15 +42,15 @@ def peaked_model() -> InklingMTP:
 def decode(drafter: Drafter, rounds: int = ROUNDS) -> list[list[int]]:
     """The drafts of ``rounds`` rounds from position 0, a + 1 new rows after a round that accepted a drafts, a = 0..K
     in turn, over one seeded stream of committed rows."""
-    rows_per_round = [1 + i % (K + 1) for i in range(rounds)]
-    length = sum(rows_per_round)
+    rows_per_round = [1 + i % (K + 1) for i in range(ROUNDS)]
+    length = sum(rows_per_round)  # one stream whatever ``rounds``: the first rounds of any run see the same rows
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, drafter.model.config.logits_vocab_size, (1, length), generator=gen)
     hidden = torch.randn(1, length, drafter.model.config.hidden_size, generator=gen)
     positions = torch.arange(length)[None]
     drafts, start = [], 0
     with torch.no_grad():
-        for rows in rows_per_round:
+        for rows in rows_per_round[:rounds]:
             part = slice(start, start + rows)
             drafts.append(drafter.draft(ids[:, part], positions[:, part], hidden[:, part]).drafts[0].tolist())
             start += rows
@@ -100,9 +100,10 @@ def test_the_cached_round_drafts_as_the_compiled_round_over_64_rounds_and_every_
 
 
 _SECOND_PROCESS = """
-import json, sys
+import json, sys, torch
 from tests.runtime.test_cached_round import HEAVY, cached_drafter, decode, peaked_model
 from inkling_compiled.runtime import Drafter
+torch.set_num_threads(int(sys.argv[2]))  # the entry's CPU kernels keep the count they were built with: part of its key
 model = peaked_model()
 drafter = cached_drafter(model)
 cached = decode(drafter, 8)
@@ -117,8 +118,8 @@ def test_a_second_process_reuses_the_entry_with_no_compile_and_no_compiler_or_tr
     _, drafts, entry = built
     manifest = (entry / packaged.MANIFEST).stat().st_mtime_ns
     env = {**os.environ, round_cache.ENV_VAR: str(rounds_dir), "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, str(entry)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-c", _SECOND_PROCESS, str(entry), str(torch.get_num_threads())]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["heavy"] == []  # no Dynamo, no Inductor: nothing was compiled, and no transformers either
