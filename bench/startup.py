@@ -269,6 +269,8 @@ def measure(preset: str = "tiny8", k: int = 8, *, context: int = 64, max_length:
                      "round_k_vs_round_1": med["round_k"] / med["round_1"],
                      "round_k_vs_floor": med["round_k"] / med["floor_k"],
                      "round_k_steps_vs_round_k": med["round_k_steps"] / med["round_k"]}
+    result.ratios["floor_k_vs_round_1"] = med["floor_k"] / med["round_1"]  # what bounds round_k_vs_round_1
+    result.ratios["overhead_per_depth_us"] = 1e3 * (med["round_k"] - med["floor_k"]) / k  # what round_k adds to floor
     if "round_k_one_graph" in med:
         result.ratios["round_k_one_graph_vs_round_k"] = med["round_k_one_graph"] / med["round_k"]
     result.goals = {name: (result.import_package_s if name == "import_package_s" else result.ratios[name]) <= bound
@@ -297,6 +299,13 @@ def lines(result: StartupResult) -> list[str]:
         out.append(f"  {name:32s} {value:7.2f}{verdict}")
     out.append(f"  {'import_package_s':32s} {result.import_package_s:7.3f}  goal <= 0.5 s: "
                f"{'met' if result.goals['import_package_s'] else 'MISSED'}")
+    bounds = result.ratios
+    if not result.goals["round_k_vs_round_1"]:
+        out.append(f"  bound: the K-depth round's GEMMs alone cost {bounds['floor_k_vs_round_1']:.2f}x the whole "
+                   "K = 1 round, so no K-depth round gets below that ratio")
+    if not result.goals["round_k_vs_floor"]:
+        out.append(f"  bound: above its GEMMs the round spends {bounds['overhead_per_depth_us']:.0f} us per depth: "
+                   "the depth's other kernels, its runner call and the round's Python")
     return out
 
 
