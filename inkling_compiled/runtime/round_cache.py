@@ -19,6 +19,7 @@ here applies).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -94,8 +95,15 @@ def cached_round(drafter, shape):
         if found is None:
             if directory.exists():
                 _remove(directory)
-            packaged.save_rounds(drafter, directory, [shape])
-            found = _load(drafter, shape, directory)
+            try:
+                packaged.save_rounds(drafter, directory, [shape])
+            except packaged.PackageError:
+                if not directory.exists():
+                    raise
+                # else another process built the entry since, and its copy is checked and used
+            found = _usable(drafter, shape, directory)
+            if found is None:
+                raise packaged.PackageError(refusal(drafter, shape.key, directory) or f"{directory} cannot be loaded")
         return found
     except (OSError, RuntimeError, ValueError) as e:  # PackageError is a ValueError
         warnings.warn(f"could not build or load the packaged round of bucket {shape.key} in {directory} "
@@ -103,17 +111,13 @@ def cached_round(drafter, shape):
         return None
 
 
-def _load(drafter, shape, directory: Path):
-    manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
-    return packaged.load_rounds(drafter, directory, manifest)[shape.key]
-
-
 def _usable(drafter, shape, directory: Path):
     """The entry's round, or None when it is refused or cannot be loaded (a corrupt or missing step file)."""
     if refusal(drafter, shape.key, directory) is not None:
         return None
     try:
-        return _load(drafter, shape, directory)
+        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
+        return packaged.load_rounds(drafter, directory, manifest)[shape.key]
     except packaged.PackageError:
         return None
 
@@ -121,5 +125,6 @@ def _usable(drafter, shape, directory: Path):
 def _remove(directory: Path) -> None:
     """Out of the way first (a rename is atomic), then deleted: a reader never sees half an entry."""
     doomed = directory.with_name(f".stale-{directory.name}-{uuid.uuid4().hex[:8]}")
-    os.rename(directory, doomed)
+    with contextlib.suppress(FileNotFoundError):  # another process moved it first
+        os.rename(directory, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
