@@ -47,9 +47,11 @@ class Packaged:
 
 
 def make_drafter(models: Models, k: int, batch: int, max_length: int, *, compile: bool) -> Drafter:
-    """K depths, the K-row window of one new row as the only graph bucket."""
+    """K depths, the K-row window of one new row as the only graph bucket; compiled steps, not the cached packaged
+    round a K > 1 CPU drafter runs by default (the packaged one is loaded from this section's own package)."""
     return Drafter(models.mtp, batch, max_length, num_speculative_tokens=k, graph_rows=(k,), compile=compile,
-                   compile_options=S.compile_options(passes=True, fresh=False) if compile else None)
+                   compile_options=S.compile_options(passes=True, fresh=False) if compile else None,
+                   cached_rounds=False)
 
 
 def cached_package(models: Models, k: int, batch: int, max_length: int) -> tuple[Path, dict] | None:

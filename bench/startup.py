@@ -13,9 +13,14 @@
 With ``choices=True`` also the K-depth round compiled as one graph (the alternative to the cached packaged round,
 docs/compile.md §12.1), with its compile time: minutes on a 2-core machine.
 
-Goals (issue 26): ``first_draft_s <= 1.3 x import_torch_s``; ``import_package_s <= 0.5 s``; the K = 8 round
-``<= 3 x`` the K = 1 round and ``<= 2 x`` its GEMM floor. ``python -m bench.startup [--config tiny8] [--k 8]
-[--choices] [--json out.json]`` prints the figures and which goal each meets.
+Goals (issue 26, rows of ``report.GOALS``): ``first_draft_s <= 1.3 x import_torch_s``; ``import_package_s <= 0.5
+s``; the K = 8 round ``<= 3 x`` the K = 1 round and ``<= 2 x`` its GEMM floor. The ``startup`` section of ``python -m
+bench`` (CPU; the choices with ``--full``), or alone: ``python -m bench.startup [--config tiny8] [--k 8] [--choices]
+[--json out.json]``, which prints the figures and which goal each meets.
+
+The fresh processes are ``python -m bench.startup <probe>``, not ``harness.run_probe``: that child imports torch
+(and ``probes.py`` Dynamo) before the probe's function runs, which are the very imports timed here. This module
+imports only the standard library at its top for the same reason.
 """
 
 from __future__ import annotations
@@ -220,7 +225,7 @@ def rounds(mtp, k: int, *, context: int, max_length: int, choices: bool, budget_
 
 # ------------------------------------------------------------------------------------------------ the measurement
 
-def measure(preset: str = "tiny8", k: int = 8, *, context: int = 64, max_length: int = 512, threads: int = 1,
+def measure_startup(preset: str = "tiny8", k: int = 8, *, context: int = 64, max_length: int = 512, threads: int = 1,
             processes: int = 5, choices: bool = False, budget_s: float = 20.0, timeout: float = 1800.0,
             progress=lambda message: None) -> StartupResult:
     """The four figures (module doc) for ``preset`` at K = ``k``; the round cache is a fresh temporary directory."""
@@ -278,35 +283,45 @@ def measure(preset: str = "tiny8", k: int = 8, *, context: int = 64, max_length:
     return result
 
 
-def lines(result: StartupResult) -> list[str]:
-    r = result.rounds
-    out = [f"start-up and K-depth rounds: {result.preset} K={result.k}, CPU, {result.threads} thread(s), "
-           f"torch {result.torch}, {result.processes} fresh processes each",
-           f"  import torch (spawn to done)          {result.import_torch_s:7.2f} s",
-           f"  import inkling_compiled (+ runtime)   {result.import_package_s:7.3f} s on top "
-           f"(imported: {', '.join(result.package_imported) or 'none of ' + ', '.join(HEAVY)})",
-           f"  spawn to first packaged draft         {result.first_draft_s:7.2f} s (imports "
-           f"{result.first_draft_import_s:.2f} s; round from the cache: {result.first_draft_packaged}; imported: "
-           f"{', '.join(result.first_draft_imported) or 'none of ' + ', '.join(HEAVY)})",
-           "  round (ms)                 median   p10-p90      built in"]
-    for name, value in r.median_ms.items():
-        built = f"{r.build_s[name]:7.1f} s" if name in r.build_s else ""
-        out.append(f"    {name:22s} {value:8.4f}  {r.p10_ms[name]:.4f}-{r.p90_ms[name]:.4f}  {built}")
-    out.append(f"  same drafts as the compiled steps: {r.same_drafts}")
-    for name, value in result.ratios.items():
+def measure(ctx) -> StartupResult:
+    """The ``startup`` section of ``python -m bench`` (``harness.Context``): tiny8, K = 8, the run's threads."""
+    from .harness import progress
+
+    s = ctx.settings
+    return measure_startup(threads=s.threads, choices=s.runs("kround_choices"), budget_s=s.time_budget,
+                           timeout=s.probe_timeout, progress=progress)
+
+
+def lines(out: dict) -> list[str]:
+    """The section's table from its JSON record (``dataclasses.asdict`` of a :class:`StartupResult`)."""
+    r, ratios, goals = out["rounds"], out["ratios"], out["goals"]
+    none = "none of " + ", ".join(HEAVY)
+    found = [f"start-up and K-depth rounds: {out['preset']} K={out['k']}, CPU, {out['threads']} thread(s), "
+             f"torch {out['torch']}, {out['processes']} fresh processes each",
+             f"  import torch (spawn to done)          {out['import_torch_s']:7.2f} s",
+             f"  import inkling_compiled (+ runtime)   {out['import_package_s']:7.3f} s on top "
+             f"(imported: {', '.join(out['package_imported']) or none})",
+             f"  spawn to first packaged draft         {out['first_draft_s']:7.2f} s (imports "
+             f"{out['first_draft_import_s']:.2f} s; round from the cache: {out['first_draft_packaged']}; imported: "
+             f"{', '.join(out['first_draft_imported']) or none})",
+             "  round (ms)                 median   p10-p90      built in"]
+    for name, value in r["median_ms"].items():
+        built = f"{r['build_s'][name]:7.1f} s" if name in r["build_s"] else ""
+        found.append(f"    {name:22s} {value:8.4f}  {r['p10_ms'][name]:.4f}-{r['p90_ms'][name]:.4f}  {built}")
+    found.append(f"  same drafts as the compiled steps: {r['same_drafts']}")
+    for name, value in ratios.items():
         goal = GOALS.get(name)
-        verdict = "" if goal is None else f"  goal <= {goal}: {'met' if result.goals[name] else 'MISSED'}"
-        out.append(f"  {name:32s} {value:7.2f}{verdict}")
-    out.append(f"  {'import_package_s':32s} {result.import_package_s:7.3f}  goal <= 0.5 s: "
-               f"{'met' if result.goals['import_package_s'] else 'MISSED'}")
-    bounds = result.ratios
-    if not result.goals["round_k_vs_round_1"]:
-        out.append(f"  bound: the K-depth round's GEMMs alone cost {bounds['floor_k_vs_round_1']:.2f}x the whole "
-                   "K = 1 round, so no K-depth round gets below that ratio")
-    if not result.goals["round_k_vs_floor"]:
-        out.append(f"  bound: above its GEMMs the round spends {bounds['overhead_per_depth_us']:.0f} us per depth: "
-                   "the depth's other kernels, its runner call and the round's Python")
-    return out
+        verdict = "" if goal is None else f"  goal <= {goal}: {'met' if goals[name] else 'MISSED'}"
+        found.append(f"  {name:32s} {value:7.2f}{verdict}")
+    found.append(f"  {'import_package_s':32s} {out['import_package_s']:7.3f}  goal <= 0.5 s: "
+                 f"{'met' if goals['import_package_s'] else 'MISSED'}")
+    if not goals["round_k_vs_round_1"]:
+        found.append(f"  bound: the K-depth round's GEMMs alone cost {ratios['floor_k_vs_round_1']:.2f}x the whole "
+                     "K = 1 round, so no K-depth round gets below that ratio")
+    if not goals["round_k_vs_floor"]:
+        found.append(f"  bound: above its GEMMs the round spends {ratios['overhead_per_depth_us']:.0f} us per depth: "
+                     "the depth's other kernels, its runner call and the round's Python")
+    return found
 
 
 def main(argv=None) -> int:
@@ -323,12 +338,13 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget", type=float, default=20.0, help="seconds of round timing")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
-    result = measure(a.config, a.k, processes=a.processes, choices=a.choices, budget_s=a.time_budget,
-                     progress=lambda message: print(f"[bench.startup] {message}", file=sys.stderr, flush=True))
+    result = dataclasses.asdict(measure_startup(
+        a.config, a.k, processes=a.processes, choices=a.choices, budget_s=a.time_budget,
+        progress=lambda message: print(f"[bench.startup] {message}", file=sys.stderr, flush=True)))
     print("\n".join(lines(result)))
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(dataclasses.asdict(result), indent=1) + "\n")
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -2,8 +2,10 @@
 boundary from the benchmark's side), and the verdict lines of a result (the measurement itself runs under
 ``python -m bench.startup``, not in CI)."""
 
+import dataclasses
 import os
 
+from bench import report
 from bench.startup import GOALS, HEAVY, RoundFigures, StartupResult, _spawn, lines
 
 
@@ -25,9 +27,19 @@ def test_each_goal_is_judged_and_printed():
                                    "floor_k_vs_round_1": 2.5, "overhead_per_depth_us": 44.0},
                            goals={"first_draft_vs_import_torch": True, "import_package_s": True,
                                   "round_k_vs_round_1": False, "round_k_vs_floor": False})
-    text = "\n".join(lines(result))
+    record = dataclasses.asdict(result)
+    text = "\n".join(lines(record))
     assert set(result.goals) == set(GOALS)
     assert "round_k_vs_round_1                  6.00  goal <= 3.0: MISSED" in text
     assert "first_draft_vs_import_torch         1.20  goal <= 1.3: met" in text
     assert f"imported: none of {', '.join(HEAVY)}" in text
     assert "GEMMs alone cost 2.50x the whole K = 1 round" in text and "44 us per depth" in text
+
+
+def test_the_runner_judges_the_four_goals_from_the_section():
+    record = {"import_package_s": 0.2, "ratios": {"first_draft_vs_import_torch": 1.4, "round_k_vs_round_1": 2.5,
+                                                  "round_k_vs_floor": 1.5}}
+    result = {"settings": {"device": "cpu", "dtype": "float32"}, "startup": record}
+    found = {g["id"]: g["met"] for g in report.evaluate_goals(result)}
+    assert found["startup_first_draft_vs_import_torch"] is False and found["startup_import_package"] is True
+    assert found["startup_round_k_vs_round_1"] is True and found["startup_round_k_vs_floor"] is True
