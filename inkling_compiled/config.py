@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import InklingConfig, InklingTextConfig
 
+from .arguments import check_bool, is_int, is_number
+
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 CONFIG_FILE = "config.json"
 
@@ -99,10 +101,9 @@ class MTPConfig:
     @classmethod
     def _from_text(cls, text, mtp_log_scaling: bool, raw: dict) -> MTPConfig:
         """From the text config's attributes (an ``InklingTextConfig``, or :func:`plain_text_fields` as attributes)."""
-        if not isinstance(mtp_log_scaling, bool):
-            raise TypeError(f"mtp_log_scaling must be a bool, got {mtp_log_scaling!r}")
+        check_bool("mtp_log_scaling", mtp_log_scaling)
         n = text.num_mtp_layers
-        if n is None or _is_int(n) and n < 1:
+        if n is None or is_int(n) and n < 1:
             raise ConfigError(
                 f"config has no MTP depths (num_mtp_layers={n!r}; mtp_config.num_nextn_predict_layers must be >= 1)"
             )
@@ -111,7 +112,7 @@ class MTPConfig:
         if problems:
             raise ConfigError("; ".join(problems))
         local = list(text.mtp_local_layer_ids or [])
-        bad = [i for i in local if not (_is_int(i) and 0 <= i < n)]
+        bad = [i for i in local if not (is_int(i) and 0 <= i < n)]
         if bad:
             raise ConfigError(f"mtp_local_layer_ids {bad} out of range for {n} MTP depths")
         if text.hidden_act not in SUPPORTED_ACTIVATIONS:
@@ -153,19 +154,7 @@ def logits_vocab_size(config) -> int:
 # ------------------------------------------------------------------------------------------------ field rules
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_bool(value) -> bool:
-    return isinstance(value, bool)
-
-
-_KINDS = {int: ("an int", _is_int), float: ("a number", _is_number), bool: ("a bool", _is_bool)}
+_KINDS = {int: ("an int", is_int), float: ("a number", is_number), bool: ("a bool", lambda v: isinstance(v, bool))}
 
 
 @dataclass(frozen=True)
@@ -359,7 +348,7 @@ def plain_text_fields(raw: dict) -> dict | None:
     plain = all(_strictly(rule, fields[name]) for name, rule in FIELD_RULES.items() if name in fields)
     ids = fields["mtp_local_layer_ids"]
     plain = plain and isinstance(fields["hidden_act"], str) and (
-        ids is None or isinstance(ids, list) and all(_is_int(i) for i in ids))
+        ids is None or isinstance(ids, list) and all(is_int(i) for i in ids))
     return fields if plain else None
 
 
