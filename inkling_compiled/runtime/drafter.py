@@ -273,9 +273,10 @@ class Drafter:
         scheme = model.quantization.scheme if model.quantization is not None else ""
         packable = compile and not on_cuda and not self._freezing and not scheme.startswith("torchao:")
         if cached_rounds and not packable:
-            raise ValueError("cached_rounds=True needs compile=True, a CPU model, and one that can be packaged (no "
-                             f"Inductor freezing, no torchao scheme); got compile={compile}, {model.device}, "
-                             f"freezing={self._freezing}, quantization {scheme or None!r}")
+            raise arguments.ArgumentError(
+                "cached_rounds=True needs compile=True, a CPU model, and one that can be packaged (no Inductor "
+                f"freezing, no torchao scheme); got compile={compile}, {model.device}, freezing={self._freezing}, "
+                f"quantization {scheme or None!r}")
         self.cached_rounds = packable and k > 1 if cached_rounds is None else cached_rounds
 
     def _compiled(self, fn):
