@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import arguments
 from ..arguments import ArgumentError
-from ..config import CONFIG_FILE, ConfigError, MTPConfig, read_config_json, read_json_object
+from ..config import CONFIG_FILE, MTPConfig, read_config_file, read_json_object
 from .layout import (
     INDEX_FILE,
     MTP_FILE,
@@ -227,11 +227,8 @@ def open_checkpoint(path, *, num_depths: int | None = None, mtp_log_scaling: boo
     if not path.is_dir():
         raise NotADirectoryError(f"{path} is not a directory (a checkpoint is a directory holding {CONFIG_FILE} "
                                  "and *.safetensors files)")
-    hf_config, raw = read_config_json(path)
-    try:
-        config = MTPConfig.from_hf(hf_config, mtp_log_scaling=mtp_log_scaling, raw=raw)
-    except ConfigError as e:
-        raise ConfigError(f"{path / CONFIG_FILE}: {e}") from e
+    # parsed without importing transformers where it can be (config.py)
+    config = MTPConfig.from_config_dict(read_config_file(path), path / CONFIG_FILE, mtp_log_scaling=mtp_log_scaling)
     stored = config.num_depths
     _check_num_depths(num_depths, stored)
     if num_depths is not None:

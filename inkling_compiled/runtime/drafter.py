@@ -45,7 +45,7 @@ import torch
 from .. import arguments
 from ..model.mtp import InklingMTP
 from ..torch_version import BEFORE_2_13
-from . import packaged
+from . import packaged, round_cache
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 # Compiled graphs per code object: (batch buckets x row buckets x greedy/sampled), times the two depth geometries for
@@ -226,16 +226,22 @@ class Drafter:
     num_depths=K)``, or pass K). ``compile=False`` runs the eager model (same buffers and
     results); ``cuda_graphs`` defaults to on for CUDA models; ``graph_rows`` (default: the decode windows K and
     K + 1) are the window sizes that get an exact bucket and, on CUDA, a captured graph.
+
+    ``cached_rounds`` (default: on for K > 1 on CPU when compiling a model that can be packaged) runs each bucket's
+    round packaged, built on its first call and cached on disk for every later drafter and process
+    (``runtime/round_cache.py``, docs/compile.md §12.1); off, the round is K + 1 compiled calls, which on CPU cost
+    Dynamo's guards and Python each. CUDA is unaffected: there a round is one CUDA graph.
     """
 
     def __init__(self, model: InklingMTP, max_batch_size: int, max_length: int, *,
                  num_speculative_tokens: int | None = None, compile: bool = True, cuda_graphs: bool | None = None,
                  batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, graph_rows: tuple[int, ...] | None = None,
-                 compile_options: dict | None = None):
+                 compile_options: dict | None = None, cached_rounds: bool | None = None):
         _check_model(model)
         model.check_parameters()
         arguments.check_bool("compile", compile)
         arguments.check_bool("cuda_graphs", cuda_graphs, optional=True)
+        arguments.check_bool("cached_rounds", cached_rounds, optional=True)
         self.model = model
         self.num_speculative_tokens = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
         self.max_batch_size = arguments.positive_int("max_batch_size", max_batch_size)
@@ -264,6 +270,14 @@ class Drafter:
         self._shapes: dict[tuple[int, int, bool], _BucketBuffers] = {}
         self._packaged: dict[tuple[int, int, bool], functools.partial] = {}  # bucket key -> its packaged round
         self._pool = None
+        scheme = model.quantization.scheme if model.quantization is not None else ""
+        packable = compile and not on_cuda and not self._freezing and not scheme.startswith("torchao:")
+        if cached_rounds and not packable:
+            raise arguments.ArgumentError(
+                "cached_rounds=True needs compile=True, a CPU model, and one that can be packaged (no Inductor "
+                f"freezing, no torchao scheme); got compile={compile}, {model.device}, freezing={self._freezing}, "
+                f"quantization {scheme or None!r}")
+        self.cached_rounds = packable and k > 1 if cached_rounds is None else cached_rounds
 
     def _compiled(self, fn):
         return fn if self._compile_options is None else torch.compile(fn, **self._compile_options)
@@ -465,7 +479,8 @@ class Drafter:
 
     @property
     def packaged_buckets(self) -> tuple[tuple[int, int, bool], ...]:
-        """The (batch bucket, rows, sampled) buckets that run a packaged round (:meth:`load_compiled`)."""
+        """The (batch bucket, rows, sampled) buckets that run a packaged round (:meth:`load_compiled`, or from the
+        round cache)."""
         return tuple(self._packaged)
 
     def _round_of(self, shape: _BucketBuffers):
@@ -489,6 +504,10 @@ class Drafter:
         if shape.graph is not None:
             shape.graph.replay()
             return shape.outputs
+        if not shape.compiled and self.cached_rounds and shape.key not in self._packaged:
+            found = round_cache.cached_round(self, shape)  # None: the cache is off, or the build failed (warned)
+            if found is not None:
+                self._packaged[shape.key] = found
         step = self._round_of(shape)
         if shape.compiled or shape.key in self._packaged:  # the hot path: no config patching, which costs more than
             with torch.no_grad():                           # a tiny step (and a packaged round never needs it)

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from .. import arguments
 from ..config import logits_vocab_size
@@ -245,6 +244,13 @@ def _proposals(result: DraftResult, device) -> tuple[torch.Tensor, torch.Tensor 
     return result.drafts.to(device=device, dtype=torch.long), None if probs is None else probs.to(device)
 
 
+def _new_cache(target):
+    """The target's own ``DynamicCache``, imported here: importing the runtime must not import transformers."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=target.config)
+
+
 def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperature, top_p, eos, pad_token_id,
          generator, lockstep) -> SpeculativeOutput:
     device = input_ids.device
@@ -265,7 +271,7 @@ def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperat
         return torch.isin(tokens, eos_t)
 
     # -- prefill ------------------------------------------------------------------------------------------------
-    cache = DynamicCache(config=target.config)
+    cache = _new_cache(target)
     hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True, dtype=draft_dtype)
     first = choose(logits[:, -1])
     finished = is_eos(first)
