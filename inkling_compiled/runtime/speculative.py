@@ -335,7 +335,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mas
         decoding = Decoding()
     else:
         decoding = Decoding(greedy=False, draft_temperature=float(temperature),
-                            scores=lambda context, logits: temperature_top_p_scores(logits, temperature, top_p))
+                            scores=lambda context, logits, rows: temperature_top_p_scores(logits, temperature, top_p))
     with torch.no_grad():
         rows = merged_rows(target, input_ids, pixel_values=pixel_values, audio_input_ids=audio_input_ids,
                            audio_input_ids_mask=audio_input_ids_mask, mm_encoder_outputs=mm_encoder_outputs)
@@ -349,9 +349,10 @@ class Decoding:
     :func:`speculative_generate`'s temperature / top-p, or ``generate``'s logits processors and stopping criteria
     (runtime/hf_generate.py).
 
-    ``scores(context, logits [n, V])`` gives the processed scores the token is the argmax of (greedy) or sampled from
-    the softmax of; ``context`` [n, L] holds each row's tokens before that position (its left-padded prompt, then its
-    new tokens), passed only with ``needs_context`` (else None, one call for every row and column). ``draft_scores``
+    ``scores(context, logits [n, V], rows)`` gives the processed scores the token is the argmax of (greedy) or
+    sampled from the softmax of; ``context`` [n, L] holds each row's tokens before that position (its left-padded
+    prompt, then its new tokens) and ``rows`` [n] their batch rows, both passed only with ``needs_context`` (else
+    None, one call for every row and column). ``draft_scores``
     processes each draft's log-distribution the same way (sampling); the draft is then re-drawn from it by a maximal
     coupling, so it stays the drafter's token whenever it can. ``stop(sequences [n, L]) -> bool [n]`` is a stopping
     criterion checked after every emitted token; with ``pad_after_stop`` a row it ends is finished (padding after),
@@ -360,9 +361,9 @@ class Decoding:
 
     greedy: bool = True
     draft_temperature: float = 0.0
-    scores: Callable[[torch.Tensor | None, torch.Tensor], torch.Tensor] | None = None
+    scores: Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     needs_context: bool = False
-    draft_scores: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    draft_scores: Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     stop: Callable[[torch.Tensor], torch.Tensor] | None = None
     pad_after_stop: bool = True
     streamer: object | None = None
@@ -385,15 +386,16 @@ class _Batch:
         self.stats: list[torch.Tensor] = []
 
     def contexts(self, rows: list[int], extra: torch.Tensor):
-        """(indices into ``rows``, tokens [n, L + count + j]) per group of rows with equal counts: each row's prompt,
-        new tokens, then its ``extra`` [len(rows), j] tokens."""
+        """(indices into ``rows``, their batch rows, tokens [n, L + count + j]) per group of rows with equal counts:
+        each row's prompt, new tokens, then its ``extra`` [len(rows), j] tokens."""
         groups: dict[int, list[int]] = {}
         for i, b in enumerate(rows):
             groups.setdefault(self.counts[b], []).append(i)
         for count, members in groups.items():
             index = torch.tensor(members, device=extra.device)
             batch_rows = torch.tensor([rows[i] for i in members], device=extra.device)
-            yield index, torch.cat([self.prompt[batch_rows], self.out[batch_rows, :count], extra[index]], dim=1)
+            yield index, batch_rows, torch.cat([self.prompt[batch_rows], self.out[batch_rows, :count], extra[index]],
+                                               dim=1)
 
     def reserve(self, k: int) -> None:
         """Room for a round of ``k`` drafts past the longest row's limit."""
@@ -478,7 +480,7 @@ def _scores(decoding: Decoding, batch: _Batch, rows: list[int], logits: torch.Te
     if decoding.scores is None:
         return logits
     if not decoding.needs_context:
-        return decoding.scores(None, logits.reshape(-1, logits.shape[-1])).view(logits.shape)
+        return decoding.scores(None, logits.reshape(-1, logits.shape[-1]), None).view(logits.shape)
     return torch.stack([_column_scores(decoding.scores, decoding, batch, rows, logits[:, j], fed[:, :j])
                         for j in range(logits.shape[1])], dim=1)
 
@@ -487,10 +489,10 @@ def _column_scores(score, decoding: Decoding, batch: _Batch, rows: list[int], lo
                    fed: torch.Tensor) -> torch.Tensor:
     """``score`` of one column ``logits`` [R, V] following each row's tokens and ``fed`` [R, j]."""
     if not decoding.needs_context:
-        return score(None, logits)
+        return score(None, logits, None)
     scores = torch.empty_like(logits)
-    for members, context in batch.contexts(rows, fed):
-        scores[members] = score(context, logits[members])
+    for members, batch_rows, context in batch.contexts(rows, fed):
+        scores[members] = score(context, logits[members], batch_rows)
     return scores
 
 
@@ -625,7 +627,7 @@ def _stops(batch: _Batch, rows: list[int], tokens: torch.Tensor, counts: list[in
         if not pending:
             break
         at = torch.tensor(pending, device=tokens.device)
-        for members, context in batch.contexts([rows[i] for i in pending], tokens[at, :j + 1]):
+        for members, _, context in batch.contexts([rows[i] for i in pending], tokens[at, :j + 1]):
             for m, fired in zip(members.tolist(), decoding.stop(context).tolist()):
                 if fired:
                     stopped[pending[m]] = j + 1
