@@ -19,8 +19,14 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationMixin
-from transformers.generation import (EosTokenCriteria, GenerateDecoderOnlyOutput, LogitsProcessorList,
-                                     MaxLengthCriteria, StoppingCriteriaList, TemperatureLogitsWarper)
+from transformers.generation import (
+    EosTokenCriteria,
+    GenerateDecoderOnlyOutput,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+)
 
 from .multimodal import MULTIMODAL_KWARGS, merged_rows
 from .speculative import Decoding, SpeculativeOutput, _validate, run_loop
