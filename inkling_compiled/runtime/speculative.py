@@ -454,19 +454,35 @@ def run_loop(target, drafter, input_ids, attention_mask, decoding: Decoding, *, 
         live = _with_proposals(live, result, decoding, batch, generator)
         k = live.drafts.shape[1]
         batch.reserve(k)
+        reach = _rows_reach(target, input_ids, attention_mask, rows, k)
         lockstep = lockstep or _storage_may_reach_log_scaling(target, length, max_new_tokens, k)
     while live is not None:
         hidden, tokens, accepted_len = _verify(target, live, cache, decoding, batch, generator, draft_dtype)
         keep = accepted_len + 1  # accepted drafts, then the row's correction (or bonus)
         if lockstep:  # every row keeps as many as the row that accepted the fewest
             keep = keep.amin().expand(len(live.index))
-        # K > 1 re-runs up to K - 1 stored rows: while one may read a prompt row, the drafter is given rows too
-        reads_prompt = rows is not None and k > 1 and min(batch.counts[b] for b in live.index) <= k - 2
+        # K > 1 re-runs up to K - 1 stored rows: while one reads a tower row of the prompt, the drafter gets rows too
+        reads_prompt = any(batch.counts[b] <= reach[b] for b in live.index)
         kept, goes = _emit(batch, live, tokens, keep, decoding, eos_t, accepted_len=accepted_len)
         live = _advance(target, drafter, cache, live, hidden, tokens, kept, goes, decoding, batch, generator,
                         prompt_rows=reads_prompt)
     _stream(batch, decoding.streamer, final=True)
     return _output(input_ids, batch.out[:, :batch.width()], batch.stats, k)
+
+
+def _rows_reach(target, input_ids, attention_mask, rows, k: int) -> list[int]:
+    """Per row, the largest count of new tokens at which a round's re-run rows (up to K - 1 stored rows before the
+    frontier F = L - 1 + count, reading positions from F - K + 2 on) still read a tower row of the prompt; -1 if
+    none ever does (no multimodal rows, K = 1, or enough text after the last one)."""
+    if rows is None or k == 1:
+        return [-1] * input_ids.shape[0]
+    tower = (rows != _embed(target, input_ids)).any(dim=-1) & attention_mask.bool()  # [B, L]
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = torch.where(tower, columns, -1).amax(dim=1)  # the last tower column of each row
+    pad_left = input_ids.shape[1] - attention_mask.sum(dim=1)
+    # the last tower position p (real position last - pad_left) is read while p >= L + count - K + 1
+    reach = torch.where(last >= 0, last - pad_left - attention_mask.sum(dim=1) + k - 1, -1)
+    return reach.tolist()
 
 
 def _embed(target, input_ids: torch.Tensor) -> torch.Tensor:
