@@ -83,9 +83,10 @@ def dense_target():
 def test_each_rows_cache_equals_running_that_row_alone(dense_target, monkeypatch, k):
     """After every round, ragged ones included (rows kept different numbers of tokens), each row's target cache —
     full layers' real slots, sliding layers' working window, the four conv states of every layer — equals the cache
-    of the same row run alone with the same drafts (its rounds are the same ones, per row), fp32, within
-    1e-5 + 1e-6 * |value| (conv inputs reach ~12, where 1e-5 is a few float32 ulps: the rounding difference between
-    a batched and a single-row GEMM, as large under the batch-wide crop; a wrong slot is off by O(1))."""
+    of the same row run alone with the same drafts (its rounds are the same ones, per row), fp32, within 1e-5 of each
+    state tensor's own scale (max |value|, at least 1): the rounding difference between a batched and a single-row
+    GEMM grows with the magnitudes summed. Conv inputs reach ~15, where float32's ulp is ~1e-6, and an AVX-512
+    machine's GEMMs were seen 1.1e-6 of that scale apart (11 ulps); a wrong slot is off by O(1)."""
     target = dense_target
     snapshots, alive = [], []  # alive: the batch rows the target cache holds, in its order
     original_rollback, original_select = target_cache.rollback_rows, target_cache.select_rows
@@ -117,7 +118,8 @@ def test_each_rows_cache_equals_running_that_row_alone(dense_target, monkeypatch
             got, want = row_states(layers, row, mask[row].bool()), row_states(alone, 0, None)
             assert [t.shape for t in got] == [t.shape for t in want]
             for ours, expected in zip(got, want):
-                torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-6)
+                scale = max(1.0, expected.abs().max().item())
+                torch.testing.assert_close(ours, expected, atol=1e-5 * scale, rtol=0)
             compared += 1
     assert compared >= 2 * len(prompts)
 
