@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
 from inkling_compiled.runtime.multimodal import merged_rows
 from inkling_compiled.testing import synthetic
@@ -164,3 +165,10 @@ def test_rows_are_given_while_a_rerun_row_reads_a_tower_row(tiny8_target_and_mtp
         target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None,
                         pixel_values=pixels, custom_generate=custom_generate, drafter=drafter)
         assert [bool(kwargs) for _, kwargs in drafter.calls[:2]] == expected, text
+
+
+def test_cli_decodes_an_image_and_audio_prompt(capsys):
+    code = generate_cli(["--no-compile", "--no-warmup", "--check", "--batch", "2", "--ragged", "--prompt-len", "6",
+                         "--max-new-tokens", "4", "--ignore-eos", "--image", "3", "--audio", "2"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "greedy generate() match: True" in printed and "image patches 3, audio frames 2" in printed
