@@ -176,7 +176,8 @@ def main(argv=None) -> int:
     print(f"checkpoint: {path}")
     print(f"target: {type(target).__name__}, drafter compile={not args.no_compile}, device={args.device}, "
           f"dtype={args.dtype}, temperature={args.temperature}, top_p={args.top_p}, eos={eos}"
-          + (f", image patches {args.image}" if args.image else "") + (f", audio frames {args.audio}" if args.audio else ""))
+          + (f", image patches {args.image}" if args.image else "")
+          + (f", audio frames {args.audio}" if args.audio else ""))
     prompt_len = ids.shape[1]
     for b in range(ids.shape[0]):
         real = int(mask[b].sum())
