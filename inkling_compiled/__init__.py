@@ -7,7 +7,7 @@ Importing the package installs its Inductor passes (``inkling_compiled.passes``)
 """
 
 from . import hf_compat, passes  # noqa: F401 (hf_compat first: importing it checks the transformers version)
-from .checkpoint import CheckpointError
+from .checkpoint.layout import CheckpointError
 from .config import ConfigError, MTPConfig
 from .model import InklingMTP, MTPCache
 

@@ -21,6 +21,8 @@ from torch import nn
 
 import inkling_compiled.checkpoint as C
 from inkling_compiled import CheckpointError, ConfigError, InklingMTP
+from inkling_compiled.checkpoint import reader, writer
+from inkling_compiled.checkpoint.target import same_device
 from inkling_compiled.testing import synthetic as S
 from tests.helpers import random_mtp, tiny_text_config
 
@@ -191,7 +193,7 @@ def test_bare_text_config_loads(flat, model, tmp_path):
 def test_reads_only_mtp_and_shared_tensors(which, request, ref, monkeypatch):
     path = request.getfixturevalue(which)
     recorder = _Recorder()
-    monkeypatch.setattr(C, "safe_open", recorder)
+    monkeypatch.setattr(reader, "safe_open", recorder)
     InklingMTP.from_pretrained(path)
     assert len(recorder.read) == len(set(recorder.read))  # each tensor read once
     assert set(recorder.read) == set(ref)  # every model.mtp.* tensor + the three shared ones, nothing else
@@ -200,13 +202,28 @@ def test_reads_only_mtp_and_shared_tensors(which, request, ref, monkeypatch):
 
 def test_num_depths_one_loads_only_depth_zero(sharded, ref, monkeypatch):
     recorder = _Recorder()
-    monkeypatch.setattr(C, "safe_open", recorder)
+    monkeypatch.setattr(reader, "safe_open", recorder)
     one = InklingMTP.from_pretrained(sharded, num_depths=1)
     assert one.config.num_depths == 1 and len(one.layers) == 1
     assert one.layers[0].transformer_block.attn.geometry.sliding
     assert not [k for k in recorder.read if k.startswith("model.mtp.layers.1.")]
     assert set(recorder.read) == {k for k in ref if not k.startswith("model.mtp.layers.1.")}
     _assert_matches_raw(one, ref)
+
+
+def test_an_opened_checkpoint_is_immutable(sharded):
+    """One function builds it; nothing changes it afterwards (reading a state included)."""
+    opened = C.open_checkpoint(sharded, num_depths=1)
+    before = (dict(opened.located), dict(opened.headers))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opened.config = None
+    with pytest.raises(TypeError):
+        opened.located["x"] = Path("y")
+    shapes = {n: p.shape for n, p in InklingMTP.from_pretrained(sharded, num_depths=1).named_parameters()}
+    own, _ = opened.read_state(shapes)
+    assert set(own) == set(shapes)
+    assert (dict(opened.located), dict(opened.headers)) == before
+    assert opened.config.num_depths == 1 and opened.stored_depths == 2
 
 
 @pytest.mark.parametrize("n", [0, 3])
@@ -258,7 +275,7 @@ def test_target_conditional_generation_shares_tensors(sharded, target, ref):
 def test_target_causal_lm_shares_tensors(sharded, target, ref, monkeypatch):
     lm = S.hf_causal_lm_from(target)
     recorder = _Recorder()
-    monkeypatch.setattr(C, "safe_open", recorder)
+    monkeypatch.setattr(reader, "safe_open", recorder)
     mtp = InklingMTP.from_pretrained(sharded, target=lm)
     _assert_shares(mtp, lm)
     assert set(recorder.read) == set(ref) - SHARED  # the shared tensors are not read from disk at all
@@ -282,10 +299,10 @@ def test_target_with_contradicting_device(sharded, target):
 
 
 def test_device_matching_rule():
-    assert C._same_device(torch.device("cuda"), torch.device("cuda", 1))
-    assert C._same_device(torch.device("cuda", 1), torch.device("cuda", 1))
-    assert not C._same_device(torch.device("cuda", 0), torch.device("cuda", 1))
-    assert not C._same_device(torch.device("cpu"), torch.device("cuda", 0))
+    assert same_device(torch.device("cuda"), torch.device("cuda", 1))
+    assert same_device(torch.device("cuda", 1), torch.device("cuda", 1))
+    assert not same_device(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert not same_device(torch.device("cpu"), torch.device("cuda", 0))
 
 
 def test_target_with_other_dims(sharded):
@@ -869,7 +886,7 @@ DISK_FULL = OSError(28, "No space left on device")
 def _fail_at(monkeypatch, n: int, how: str) -> list[str]:
     """Make the writer of the ``n``-th file of the next save fail: before writing (``before``), after writing half of
     its bytes (``partial``), or by an interrupt (``interrupt``). Returns the file names the save writes, in order."""
-    real, names = C.write_files_atomically, []
+    real, names = writer.write_files_atomically, []
 
     def write_files_atomically(directory, files):
         names.extend(files)
@@ -885,7 +902,7 @@ def _fail_at(monkeypatch, n: int, how: str) -> list[str]:
 
         return real(directory, {**files, victim: fail})
 
-    monkeypatch.setattr(C, "write_files_atomically", write_files_atomically)
+    monkeypatch.setattr(writer, "write_files_atomically", write_files_atomically)
     return names
 
 
@@ -925,7 +942,7 @@ def test_failed_save_leaves_the_directory_as_it_was(which, how, request, other, 
 def test_safetensors_writer_failing_leaves_the_directory_as_it_was(saved, other, tmp_path, monkeypatch, n):
     """The same fault one level down: safetensors' own writer raises on the n-th file it writes."""
     path = _copy(saved, tmp_path / "saved")
-    before, real, calls = _snapshot(path), C.save_file, []
+    before, real, calls = _snapshot(path), writer.save_file, []
 
     def save_file_failing(*args, **kwargs):
         calls.append(args)
@@ -933,7 +950,7 @@ def test_safetensors_writer_failing_leaves_the_directory_as_it_was(saved, other,
             raise DISK_FULL
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(C, "save_file", save_file_failing)
+    monkeypatch.setattr(writer, "save_file", save_file_failing)
     with pytest.raises(OSError, match="No space left on device"):
         other.save_pretrained(path)
     assert _snapshot(path) == before

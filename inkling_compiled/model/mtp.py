@@ -13,7 +13,9 @@ import weakref
 import torch
 from torch import nn
 
-from ..checkpoint import SHARED_KEYS, CheckpointError, RawCheckpoint, save_checkpoint
+from ..checkpoint.layout import SHARED_KEYS, CheckpointError
+from ..checkpoint.reader import open_checkpoint
+from ..checkpoint.writer import save_checkpoint
 from ..config import DepthGeometry, MTPConfig
 from . import int8, torchao_schemes
 from .block import DecoderBlock
@@ -80,7 +82,7 @@ class InklingMTP(nn.Module):
         (a transformers ``InklingForCausalLM`` / ``InklingForConditionalGeneration``) lends its embedding table,
         embed_norm and LM head as the very same Parameters. ``num_depths`` loads only the first depths (vLLM loads
         min(depths, speculative tokens)). Every mismatch between config and files is reported at once; see
-        :class:`inkling_compiled.checkpoint.RawCheckpoint`. ``quantize="int8"`` quantizes the loaded model with
+        :func:`inkling_compiled.checkpoint.reader.open_checkpoint`. ``quantize="int8"`` quantizes the loaded model with
         :meth:`quantize_` (``head=quantize_head``); ``dtype`` then defaults to bfloat16 (without a target).
         """
         if quantize is not None:
@@ -88,7 +90,7 @@ class InklingMTP(nn.Module):
             _check_bool("quantize_head", quantize_head)
             if dtype is None and target is None:
                 dtype = int8.ACTIVATION_DTYPE
-        checkpoint = RawCheckpoint.open(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
+        checkpoint = open_checkpoint(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
         with torch.device("meta"):
             model = cls(checkpoint.config)
         shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
@@ -132,7 +134,7 @@ class InklingMTP(nn.Module):
         return self
 
     def save_pretrained(self, path: str | os.PathLike, *, include_shared: bool = True) -> None:
-        """Write the raw layout back, atomically; see :func:`inkling_compiled.checkpoint.save_checkpoint`."""
+        """Write the raw layout back, atomically; see :func:`inkling_compiled.checkpoint.writer.save_checkpoint`."""
         if self.quantization is not None:
             raise CheckpointError("cannot save a quantized model: the raw Inkling layout holds no int8 tensors, and "
                                   "its int8 weights are a lossy copy; save the model before quantize_(), and load "

@@ -36,9 +36,9 @@ import contextlib
 import functools
 import inspect
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -128,6 +128,8 @@ def decode_windows(num_speculative_tokens: int) -> tuple[int, int]:
 
 @dataclass
 class DraftResult:
+    """What one drafting round returns (the one result type of :class:`DraftSource`)."""
+
     drafts: torch.Tensor  # [B, K] drafted token ids d_1..d_K
     draft_probs: torch.Tensor | None  # [B, K, V] the distribution each draft was sampled from; None when greedy
     hidden: torch.Tensor  # [B, H] the last depth's output at each sequence's last row
@@ -141,6 +143,29 @@ class DraftResult:
     def probs(self) -> torch.Tensor | None:
         """[B, V] the distribution d_1 was sampled from; None when greedy."""
         return None if self.draft_probs is None else self.draft_probs[:, 0]
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """What :func:`~inkling_compiled.runtime.speculative.speculative_generate` needs of a drafter (:class:`Drafter`
+    is one; the tests' stand-ins are others).
+
+    ``draft`` runs one round over rows [B, T] (row t: target hidden at ``positions[b, t]``, committed token at
+    ``positions[b, t] + 1``; negative positions mark padding) and drafts ``num_speculative_tokens`` tokens after each
+    sequence's last real row; ``draft_probs`` must be given when ``temperature > 0``. The loop validates its inputs
+    up front against ``max_batch_size`` and ``max_length`` and then calls ``draft(..., validate=False)``. A drafter
+    with a ``model`` attribute (an ``InklingMTP``) has its device, dtype, vocabulary and hidden size checked against
+    the target too. Only multimodal prompts pass ``inputs_embeds`` (the rows in place of the tokens' embeddings,
+    docs/model.md §7); text-only drafters may leave it out of their signature.
+    """
+
+    max_batch_size: int
+    max_length: int
+    num_speculative_tokens: int
+
+    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, *,
+              temperature: float = 0.0, generator: torch.Generator | None = None,
+              validate: bool = True, inputs_embeds: torch.Tensor | None = None) -> DraftResult: ...
 
 
 class CommittedRows:
@@ -211,15 +236,6 @@ class _BucketBuffers:
     def args(self):
         base = (self.input_ids, self.positions, self.hidden)
         return base + (self.noise, self.inv_temperature) if self.sampled else base
-
-
-_LAYOUT_KEYS = ("max_batch_size", "max_length", "batch_buckets", "graph_rows", "buckets", "depth_steps")
-
-
-def _step_name(key: tuple[int, int, bool], step: str) -> str:
-    """The file stem of one packaged step of a bucket: ``window`` or ``depth<k>`` (k: the first depth of a geometry)."""
-    batch, rows, sampled = key
-    return f"b{batch}-r{rows}-{'sampled' if sampled else 'greedy'}-{step}"
 
 
 def _check_model(model) -> None:
@@ -478,7 +494,7 @@ class Drafter:
         """Package the round of every bucket that calls of ``batch_sizes`` (default: every batch bucket) x ``rows``
         new rows (default: ``graph_rows``) run as, greedy (and sampled with ``sampled=True``), into the new
         ``directory``: per bucket the prologue (K > 1) and one step per depth geometry, which every depth of that
-        geometry runs over its own parameters and cache (docs/compile.md §12).
+        geometry runs over its own parameters and cache (:func:`packaged.save_rounds`, docs/compile.md §12).
 
         The package holds code only (no weights, no cache) and records what it was built for; see
         :meth:`load_compiled`. Each step is one AOTInductor compile (seconds to a minute on a small CPU)."""
@@ -488,71 +504,36 @@ class Drafter:
             raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
         if not isinstance(sampled, bool):
             raise ValueError(f"sampled must be a bool, got {sampled!r}")
-        if self._freezing:  # frozen weights are compiled into the code: the package could not read the model's own
-            raise ValueError("save_compiled: this drafter compiles with Inductor freezing (a quantized model's fast "
-                             "path, docs/compile.md §11), which folds the weights into the code; package with "
-                             "compile_options={'options': {'freezing': False}}")
-        scheme = self.model.quantization.scheme if self.model.quantization is not None else ""
-        if scheme.startswith("torchao:"):  # AOTInductor would compile its tensors' int8 data into the code by value
-            raise ValueError(f"save_compiled: a model quantized with a torchao scheme ({scheme}) cannot be packaged: "
-                             "AOTInductor flattens its weight tensors into constants of the code, which a package "
-                             "that reads the model's own tensors cannot have; use quantize='int8'")
         keys = sorted({(*self.bucket(b, r), s) for b in batch_sizes for r in rows for s in {False, sampled}})
-        steps = {}
-        for key in keys:
-            buffers = _BucketBuffers(self, *key)
-            inputs = (buffers.input_ids, buffers.positions, buffers.hidden)
-            if self.history is not None:
-                steps[_step_name(key, "window")] = (self._window, inputs, packaged.history_state(self._history()))
-            sampling = (buffers.noise[0], buffers.inv_temperature) if key[2] else ()
-            for k in sorted(set(self._geometry_depths())):
-                steps[_step_name(key, f"depth{k}")] = (functools.partial(self._depth, self.model.layers[k],
-                                                                         self.cache.depths[k]),
-                                                       inputs + sampling, self._depth_state(self.model, k))
-        layout = {"max_batch_size": self.max_batch_size, "max_length": self.max_length, "graph_rows": self.graph_rows,
-                  # the buckets a new Drafter given these rebuilds, with the same largest graph bucket
-                  "batch_buckets": [b for b in self.batch_buckets if b <= self.graph_batch_limit],
-                  "buckets": keys, "depth_steps": self._geometry_depths()}
-        built_for = packaged.built_for(self.model, self._inductor_options, self.num_speculative_tokens)
-        return packaged.save(directory, steps, built_for=built_for, layout=layout,
-                             inductor_options=self._inductor_options)
+        return packaged.save_rounds(self, directory, [_BucketBuffers(self, *key) for key in keys])
 
     @classmethod
     def load_compiled(cls, directory, model: InklingMTP, *, num_speculative_tokens: int | None = None,
                       fallback: bool = False, compile: bool = True, cuda_graphs: bool | None = None,
                       compile_options: dict | None = None) -> Drafter:
         """A drafter for ``model`` with the geometry and K the package was saved with, whose packaged buckets run the
-        package's steps over ``model``'s own parameters and the drafter's cache; other buckets run as a Drafter built
-        with ``compile`` / ``cuda_graphs`` / ``compile_options`` runs them.
+        package's steps over ``model``'s own parameters and the drafter's cache (:func:`packaged.load_rounds`); other
+        buckets run as a Drafter built with ``compile`` / ``cuda_graphs`` / ``compile_options`` runs them.
 
         A missing or damaged package is a ``PackageError``. One built for another config, dtype, quantization, K
         (``num_speculative_tokens``, default: the package's), device, torch or pass version is a ``PackageMismatch``
         naming what differs, or with ``fallback=True`` a warning, and every bucket then runs the usual step
         (``torch.compile`` by default)."""
-        manifest = packaged.read_manifest(directory, layout_keys=_LAYOUT_KEYS)
+        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
         _check_model(model)
         if num_speculative_tokens is not None:
             _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
-        layout = manifest["layout"]
         k = manifest["built_for"].get("num_speculative_tokens") if num_speculative_tokens is None \
             else num_speculative_tokens
         inductor = _compile_options(compile_options, model.device.type == "cuda", fast_inductor_options(model))
-        problem = packaged.mismatch(directory, manifest, packaged.built_for(model, inductor.get("options", {}), k))
-        if problem is not None and not fallback:
-            raise problem
+        matches = packaged.matches(directory, manifest, packaged.built_for(model, inductor.get("options", {}), k),
+                                   fallback=fallback)
+        layout = manifest["layout"]
         drafter = cls(model, layout["max_batch_size"], layout["max_length"], num_speculative_tokens=k,
                       compile=compile, cuda_graphs=cuda_graphs, batch_buckets=layout["batch_buckets"],
                       graph_rows=layout["graph_rows"], compile_options=compile_options)
-        if problem is not None:
-            warnings.warn(f"{problem}; running the usual step instead", RuntimeWarning, stacklevel=2)
-            return drafter
-        window = packaged.history_state(drafter._history()) if drafter.history is not None else None
-        for key in (tuple(key) for key in layout["buckets"]):
-            prologue = None if window is None else packaged.load_step(directory, manifest, _step_name(key, "window"),
-                                                                      window)
-            depths = [packaged.load_step(directory, manifest, _step_name(key, f"depth{layout['depth_steps'][j]}"),
-                                         drafter._depth_state(model, j)) for j in range(k)]
-            drafter._packaged[key] = functools.partial(drafter._round, prologue, depths)
+        if matches:
+            drafter._packaged.update(packaged.load_rounds(drafter, directory, manifest))
         return drafter
 
     @property
@@ -563,18 +544,6 @@ class Drafter:
     def _round_of(self, shape: _BucketBuffers):
         """The round a bucket runs: its packaged round, else the compiled (or eager) one."""
         return self._packaged.get(shape.key) or self._compiled_round
-
-    def _geometry_depths(self) -> list[int]:
-        """For each depth 0..K-1, the first depth of its geometry: the one whose step every depth of it runs."""
-        geometries = self.model.config.depths
-        return [next(j for j in range(k + 1) if geometries[j] == geometries[k])
-                for k in range(self.num_speculative_tokens)]
-
-    def _depth_state(self, model: InklingMTP, k: int):
-        return packaged.depth_state(model, model.layers[k], self.cache.depths[k])
-
-    def _history(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.history.input_ids, "positions": self.history.positions, "hidden": self.history.hidden}
 
     # -- buckets, compilation, graphs ---------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Our speculative decoding behind transformers' own ``generate``: ``target.generate(**inputs,
-custom_generate=custom_generate, drafter=drafter, ...)`` (docs/protocol.md §6.10).
+custom_generate=custom_generate, drafter=drafter, ...)`` (docs/protocol.md §6.11).
 
 ``generate`` prepares the inputs, the generation config, the logits processors and the stopping criteria, encodes
 images once (``mm_encoder_outputs``), then calls :func:`custom_generate` instead of its own decoding loop. This

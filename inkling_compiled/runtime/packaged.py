@@ -22,21 +22,27 @@ embedding / head, and that depth's cache). Packaging one:
 A package is a directory holding ``manifest.json`` (what it was built for, the caller's layout, per step its file,
 checksum, inputs, constants and matches) and one ``.pt2`` per step, written atomically; :func:`read_manifest`,
 :func:`mismatch` and :func:`load_step` read it back, each with an error naming what is wrong.
+
+A drafter's package (:func:`save_rounds`, :func:`load_rounds`, behind ``Drafter.save_compiled`` /
+``Drafter.load_compiled``) holds, per (batch bucket, rows, greedy/sampled) bucket, the window prologue (K > 1) and
+one depth step per depth geometry, which every depth of that geometry runs over its own parameters and cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..checkpoint import build_directory_atomically
+from ..atomic_files import build_directory_atomically
 from ..model.cache import DepthCache
 from ..model.mtp import InklingMTP, MTPDepth
 
@@ -49,6 +55,8 @@ AOTI_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tens
                 "fx_graph_cache": False}
 # compared at load, in this order
 BUILT_FOR = ("config", "dtype", "quantization", "num_speculative_tokens", "device", "torch", "passes")
+# what a drafter's package records of the drafter, to rebuild it at load
+LAYOUT_KEYS = ("max_batch_size", "max_length", "batch_buckets", "graph_rows", "buckets", "depth_steps")
 
 
 class PackageError(ValueError):
@@ -182,6 +190,17 @@ def mismatch(directory, manifest: dict, here: dict) -> PackageMismatch | None:
     return PackageMismatch(directory, differences) if differences else None
 
 
+def matches(directory, manifest: dict, here: dict, *, fallback: bool) -> bool:
+    """Whether the package was built for ``here``; if not, the :class:`PackageMismatch`, or with ``fallback`` a
+    warning (for the caller's caller: the user of ``Drafter.load_compiled``) and False."""
+    problem = mismatch(directory, manifest, here)
+    if problem is not None and not fallback:
+        raise problem
+    if problem is not None:
+        warnings.warn(f"{problem}; running the usual step instead", RuntimeWarning, stacklevel=3)
+    return problem is None
+
+
 # ------------------------------------------------------------------------------------------------ saving
 
 def save(directory, steps: Mapping[str, tuple[Callable, Sequence[torch.Tensor], nn.Module]], *,
@@ -311,3 +330,74 @@ class PackagedStep:
 
     def __repr__(self) -> str:
         return f"PackagedStep({self.path})"
+
+
+# ------------------------------------------------------------------------------------------------ a drafter's rounds
+
+def _step_name(key: tuple[int, int, bool], step: str) -> str:
+    """The file stem of one packaged step of a bucket: ``window`` or ``depth<k>`` (k: the first depth of a geometry)."""
+    batch, rows, sampled = key
+    return f"b{batch}-r{rows}-{'sampled' if sampled else 'greedy'}-{step}"
+
+
+def _geometry_depths(drafter) -> list[int]:
+    """For each depth 0..K-1 of ``drafter``, the first depth of its geometry: the one whose step every depth of it
+    runs."""
+    geometries = drafter.model.config.depths
+    return [next(j for j in range(k + 1) if geometries[j] == geometries[k])
+            for k in range(drafter.num_speculative_tokens)]
+
+
+def _history_state(drafter) -> nn.Module:
+    rows = drafter.history
+    return history_state({"input_ids": rows.input_ids, "positions": rows.positions, "hidden": rows.hidden})
+
+
+def _depth_state(drafter, k: int) -> nn.Module:
+    return depth_state(drafter.model, drafter.model.layers[k], drafter.cache.depths[k])
+
+
+def save_rounds(drafter, directory, buckets: Sequence) -> Path:
+    """Package the round of each of ``buckets`` (the drafter's static buffers of a bucket, as example inputs) of a
+    ``Drafter`` into the new ``directory``, with the drafter's layout; ``Drafter.save_compiled`` documents it."""
+    if drafter._freezing:  # frozen weights are compiled into the code: the package could not read the model's own
+        raise ValueError("save_compiled: this drafter compiles with Inductor freezing (a quantized model's fast "
+                         "path, docs/compile.md §11), which folds the weights into the code; package with "
+                         "compile_options={'options': {'freezing': False}}")
+    model = drafter.model
+    scheme = model.quantization.scheme if model.quantization is not None else ""
+    if scheme.startswith("torchao:"):  # AOTInductor would compile its tensors' int8 data into the code by value
+        raise ValueError(f"save_compiled: a model quantized with a torchao scheme ({scheme}) cannot be packaged: "
+                         "AOTInductor flattens its weight tensors into constants of the code, which a package "
+                         "that reads the model's own tensors cannot have; use quantize='int8'")
+    steps = {}
+    for buffers in buckets:
+        inputs = (buffers.input_ids, buffers.positions, buffers.hidden)
+        if drafter.history is not None:
+            steps[_step_name(buffers.key, "window")] = (drafter._window, inputs, _history_state(drafter))
+        sampling = (buffers.noise[0], buffers.inv_temperature) if buffers.sampled else ()
+        for k in sorted(set(_geometry_depths(drafter))):
+            step = functools.partial(drafter._depth, model.layers[k], drafter.cache.depths[k])
+            steps[_step_name(buffers.key, f"depth{k}")] = (step, inputs + sampling, _depth_state(drafter, k))
+    layout = {"max_batch_size": drafter.max_batch_size, "max_length": drafter.max_length,
+              "graph_rows": drafter.graph_rows,
+              # the buckets a new Drafter given these rebuilds, with the same largest graph bucket
+              "batch_buckets": [b for b in drafter.batch_buckets if b <= drafter.graph_batch_limit],
+              "buckets": [buffers.key for buffers in buckets], "depth_steps": _geometry_depths(drafter)}
+    options = drafter._inductor_options
+    return save(directory, steps, built_for=built_for(model, options, drafter.num_speculative_tokens), layout=layout,
+                inductor_options=options)
+
+
+def load_rounds(drafter, directory, manifest: dict) -> dict[tuple[int, int, bool], functools.partial]:
+    """Bucket key -> the packaged round of that bucket, its steps bound to ``drafter``'s model and cache (the drafter
+    built from the manifest's layout, :func:`read_manifest` with :data:`LAYOUT_KEYS`)."""
+    layout = manifest["layout"]
+    window = _history_state(drafter) if drafter.history is not None else None
+    rounds = {}
+    for key in (tuple(key) for key in layout["buckets"]):
+        prologue = None if window is None else load_step(directory, manifest, _step_name(key, "window"), window)
+        depths = [load_step(directory, manifest, _step_name(key, f"depth{layout['depth_steps'][j]}"),
+                            _depth_state(drafter, j)) for j in range(drafter.num_speculative_tokens)]
+        rounds[key] = functools.partial(drafter._round, prologue, depths)
+    return rounds

@@ -1,84 +1,7 @@
-"""Speculative decoding with the Inkling MTP draft head, K chained depths per round (docs/protocol.md §6.1-6.7).
-
-:func:`speculative_generate` drives a transformers Inkling target (``InklingForCausalLM`` or, text only,
-``InklingForConditionalGeneration``) and a :class:`~inkling_compiled.runtime.drafter.Drafter` (or anything with its
-``draft`` / ``max_batch_size`` / ``max_length`` protocol; a one-draft drafter may return ``tokens`` [B] and ``probs``
-[B, V] instead of ``drafts`` [B, K] and ``draft_probs`` [B, K, V]):
-
-* **Prefill.** The target's base model runs the prompt with its own ``DynamicCache`` and returns the post-final-norm
-  hidden ``h`` (docs/protocol.md §6.2); the logits are
-  ``lm_head(h / logits_mup_width_multiplier)[..., :unpadded_vocab_size]``, the same operations as the target's own
-  forward. ``x_L`` is the target's argmax (greedy) or a sample from the
-  processed target distribution ``p`` (temperature, then top-p). The drafter then runs its K depths over every prompt
-  row ``t`` with ``(h_t, x_{t+1})`` (the last row carries ``x_L``) and drafts ``d_1..d_K``.
-* **Round.** The target verifies ``[x_F, d_1..d_K]`` at positions ``F..F+K`` in one forward. Greedy: the longest
-  prefix of drafts equal to the target's argmax is accepted, then the target's argmax follows (the correction, or the
-  bonus token at ``F+K+1`` when all K were accepted). Sampling: standard speculative sampling token by token, draft
-  ``d_j`` accepted with probability ``min(1, p_j(d_j) / q_j(d_j))`` against the distribution ``q_j`` of the depth that
-  drafted it, the first rejection replaced by a sample of ``normalize(max(0, p_j - q_j))``, the bonus token drawn from
-  ``p`` at ``F+K`` when all K were accepted. Each row then keeps its own ``a_b + 1`` tokens. The target's cache is
-  rolled back per row over the rejected rows (:func:`~inkling_compiled.runtime.target_cache.rollback_rows`:
-  ``cache.activate_past_recording()`` is switched on after the prefill, so sliding-window KV and the short-conv
-  states keep the verified rows until the rollback; a row that rejected more than the others has its kept slots
-  moved right and the freed ones masked like left padding, docs/protocol.md §6.9). The drafter is fed each row's
-  verified rows (rows ``F_b..F_b+a_b`` with the committed tokens and the target hiddens of those rows, padding after
-  them; none for a finished row); it re-runs its own stale rows (docs/protocol.md §6.5).
-
-Per-row acceptance and why it is lossless
------------------------------------------
-Every row is its own speculative-decoding run: in a round, unfinished row ``b`` decides its accepted count ``a_b``
-(0..K) from its own drafts and randomness and emits ``a_b + 1`` tokens for positions ``F_b+1..F_b+a_b+1``: its
-drafts ``d_1..d_{a_b}``, then its correction (greedy: the target's argmax; sampling: the residual sample) or, when
-``a_b = K``, the bonus token. Rows share the target forward only: each row's verify rows see exactly its own
-committed tokens (the rollback leaves a row's cache equal to running that row alone, up to GEMM rounding), so
-
-* Greedy: every emitted token is the target's argmax given exactly the committed prefix of its row; the output
-  equals greedy ``generate`` up to floating-point differences between a (K+1)-row and a 1-row forward.
-* Sampling: for one row, speculative sampling has the property that, given the tokens emitted before position
-  ``F+j`` and that position ``F+j`` is reached, its token has law ``p(. | prefix)`` whatever ``q_j`` is
-  (``P(x) = min(p, q)(x) + (1 - sum min(p, q)) * normalize(max(0, p - q))(x) = p(x)``; ``q_j`` is drawn given the
-  previous drafts, which are the emitted tokens), and the bonus token is drawn from ``p(. | prefix, d_1..d_K)``.
-  Each row's sequence therefore has exactly the law of plain ancestral sampling. Other rows draw from the same
-  generator but never change a row's laws, its window or its cache: rows are independent given their prompts.
-
-``lockstep=True`` (the benchmark's baseline) keeps the batch together instead: every row emits
-``a + 1`` tokens with ``a = min_b a_b`` over the unfinished rows, the rest of the round is dropped and drawn afresh
-later. That is lossless too (another row's acceptance only decides *whether* a token already drawn from its
-conditional law is kept, never *what* is drawn), but a batch then accepts as little as its least lucky row. The loop
-also keeps lockstep when a target query's storage index could reach the target's ``log_scaling_n_floor``: the slots
-the per-row rollback shifts in would change full layers' log scaling there (docs/protocol.md §6.9).
-
-EOS / length (like ``generate``): once a row emits an EOS id it is finished and later columns hold
-``pad_token_id`` (defaults to the first EOS id, as ``generate`` does); a row that has ``max_new_tokens`` tokens is
-finished too. Finished rows neither count as drafted nor draft (the drafter gets padding rows for them) and drop
-out of the target's batch and cache (:func:`~inkling_compiled.runtime.target_cache.select_rows`). Generation stops
-when every row is finished; the output has as many columns as the longest row, the others padded, so it is
-``generate``'s. Top-p
-applies to the target distribution ``p`` only; ``q`` is whatever the drafter sampled from
-(``softmax(draft_logits / T)`` per depth), which keeps the result lossless (a ``q`` that puts mass outside the top-p
-set only lowers acceptance).
-
-Host syncs: input validation, once, before any model call (the drafter is then called with ``validate=False``),
-and one ``.tolist()`` per round (each row's kept length, whether it goes on), plus one
-``nonzero`` in a round where rows finished; the per-round statistics stay on the device until the end.
-(transformers' own mask construction adds its own checks inside the target forward.)
-
-Plugging into ``generate(..., use_mtp=True)``
---------------------------------------------
-Checked against transformers 5.24 (``generation/utils.py`` ``_get_candidate_generator`` / ``_assisted_decoding``,
-``generation/candidate_generator.py`` ``MTPCandidateGenerator``): ``use_mtp=True`` hard-wires
-``MTPCandidateGenerator``, which builds transformers' own ``MtpModel`` (``MtpModel.from_pretrained(main_model)``);
-there is no public argument for another candidate generator or draft model. It is feasible without copying code by
-overriding the private ``_get_candidate_generator`` on the target instance to return a ~20-line adapter
-``CandidateGenerator`` (``requires_model_outputs = True``, ``model_kwargs_overrides = {"output_hidden_states": -1}``;
-``get_candidates`` returns the ids unchanged on the first iteration, then calls ``drafter.draft`` on the last
-``n_last_matches + 1`` rows, or all prompt rows after the prefill, with ``hidden_states[-1]``). A prototype of that
-adapter gave, for a batch-1 greedy run on the tiny synthetic checkpoint, the same output as ``generate`` and the same
-drafter rows, drafts and (bit-identical) hiddens as this module. It is not shipped because (1) assisted decoding
-raises for batch size > 1, (2) its sampling path draws from the global RNG (``rand_like`` / ``multinomial``, no
-generator) and its target distribution includes the generation config's default warpers (``top_k=50`` unless
-overridden), (3) it depends on private, fast-moving internals (the first-iteration skip, the hidden-state
-capture). This module runs its own batched, seeded loop and uses ``generate`` as the oracle in the tests.
+"""Speculative decoding with the Inkling MTP draft head around a transformers Inkling target, K drafts per round:
+:func:`speculative_generate` (prefill, verify, per-row accept / reject or ``lockstep``, the per-row rollback of the
+target's cache, finished rows leaving the batch) and its statistics. The protocol and why it is lossless are in
+docs/protocol.md §6.3-§6.5, §6.7, §6.9; the loop's contract with its drafter and its host syncs in §6.10.
 """
 
 from __future__ import annotations
@@ -92,7 +15,7 @@ from transformers import DynamicCache
 from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
-from .drafter import check_generator, check_temperature
+from .drafter import DraftResult, DraftSource, check_generator, check_temperature
 from .multimodal import merged_rows
 from .target_cache import rollback_rows, select_rows
 
@@ -235,6 +158,9 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     check_temperature(temperature)
+    if not isinstance(drafter, DraftSource):
+        raise ValueError(f"drafter must follow the DraftSource protocol (draft, max_batch_size, max_length, "
+                         f"num_speculative_tokens), got {type(drafter).__name__}")
     if not isinstance(lockstep, bool):
         raise ValueError(f"lockstep must be a bool, got {lockstep!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
@@ -303,7 +229,8 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
 # the loop
 
 
-def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor | None = None, *,
                          max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                          eos_token_id: int | list[int] | torch.Tensor | None = None, pad_token_id: int | None = None,
                          generator: torch.Generator | None = None, lockstep: bool = False,
@@ -311,7 +238,7 @@ def speculative_generate(target, drafter, input_ids: torch.Tensor, attention_mas
                          audio_input_ids_mask: torch.Tensor | None = None,
                          mm_encoder_outputs: dict | None = None) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` tokens per sequence with MTP speculative decoding, as many drafts per round
-    as the drafter proposes (``Drafter(num_speculative_tokens=K)``; see the module doc).
+    as the drafter proposes (``Drafter(num_speculative_tokens=K)``; docs/protocol.md §6.10; behind generate: §6.11).
 
     ``input_ids`` [B, L] is left-padded as described by ``attention_mask`` (1 = real token); ``temperature == 0``
     is greedy (``top_p`` ignored), otherwise tokens follow ``softmax(top_p(logits / temperature))`` exactly.
@@ -696,14 +623,12 @@ def _advance(target, drafter, cache, live: _Live, hidden, tokens, kept: list[int
     return _with_proposals(live, result, decoding, batch, generator)
 
 
-def _proposals(result, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(drafts [B, K], draft distributions [B, K, V] or None) of a draft result (see the module doc)."""
-    drafts = getattr(result, "drafts", None)
-    if drafts is not None:
-        probs = result.draft_probs
-    else:  # a one-draft drafter: tokens [B], probs [B, V]
-        drafts, probs = result.tokens[:, None], None if result.probs is None else result.probs[:, None]
-    return drafts.to(device=device, dtype=torch.long), None if probs is None else probs.to(device)
+def _proposals(result: DraftResult, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(drafts [B, K], draft distributions [B, K, V] or None) of a draft result, on the loop's device."""
+    if not isinstance(result, DraftResult):
+        raise TypeError(f"drafter.draft must return a DraftResult, got {type(result).__name__}")
+    probs = result.draft_probs
+    return result.drafts.to(device=device, dtype=torch.long), None if probs is None else probs.to(device)
 
 
 def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, batch: int, fill) -> torch.Tensor:

@@ -25,15 +25,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    MTP_FILE,
-    MTP_PREFIX,
-    SHARED_FILE,
-    SHARED_RAW_KEYS,
-    build_directory_atomically,
-)
+from ..atomic_files import build_directory_atomically
+from ..checkpoint.layout import INDEX_FILE, MTP_FILE, MTP_PREFIX, SHARED_FILE, SHARED_RAW_KEYS
+from ..config import CONFIG_FILE
 
 FORMAT_VERSION = 1  # bump when the written bytes change for the same (config, seed, dtype)
 _MAX_SHARD_BYTES = 4 << 30

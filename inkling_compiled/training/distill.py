@@ -36,8 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import CONFIG_FILE, INDEX_FILE, MTP_FILE, build_directory_atomically, read_header, stored_dtype
-from ..config import logits_vocab_size
+from ..atomic_files import build_directory_atomically
+from ..checkpoint.layout import INDEX_FILE, MTP_FILE
+from ..checkpoint.reader import read_header, stored_dtype
+from ..config import CONFIG_FILE, logits_vocab_size
 from ..testing.synthetic import cached_checkpoint, default_cache_root, greedy_generation_config, load_hf_target
 
 FORMAT_VERSION = 1  # bump when the training recipe changes the written weights for the same arguments

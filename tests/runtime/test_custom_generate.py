@@ -1,5 +1,5 @@
 """``target.generate(custom_generate=custom_generate, drafter=...)`` against ``target.generate`` with the same
-arguments (docs/protocol.md §6.10): greedy token for token (batch 1 and ragged, K = 1 and 8, EOS, processors, a
+arguments (docs/protocol.md §6.11): greedy token for token (batch 1 and ragged, K = 1 and 8, EOS, processors, a
 custom stopping criterion, stop strings, a streamer, ``return_dict_in_generate``), sampling in distribution, and
 the options it refuses.
 

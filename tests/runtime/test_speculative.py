@@ -10,7 +10,7 @@ every row it is fed against the final sequences.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ from transformers import DynamicCache, InklingForCausalLM, InklingTextConfig
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.generate import main as generate_cli
-from inkling_compiled.runtime import Drafter, speculative
+from inkling_compiled.runtime import Drafter, DraftResult, speculative
 from inkling_compiled.runtime.speculative import speculative_generate, target_distribution
 from inkling_compiled.testing import synthetic
 from tests.helpers import random_mtp, tiny_text_config
@@ -43,18 +43,14 @@ def make_target(*, vocab=128, unpadded=120, hidden=64, mlp=("dense", "sparse"), 
 
 # ------------------------------------------------------------------------------------------------ stand-in drafter
 
-@dataclass
-class DraftResult:
-    tokens: torch.Tensor
-    probs: torch.Tensor | None
-
-
 class StandInDrafter:
-    """Follows the ``Drafter.draft`` protocol and records every row it is fed.
+    """A ``DraftSource`` with one draft per round that records every row it is fed.
 
     Greedy: proposes ``oracle[b][P]`` (the target's greedy token at real position P, from ``generate``) unless
     ``wrong(b, P)``, then a different token. Sampling: samples from ``q_fn(history_b, P)`` ([V] per row).
     """
+
+    num_speculative_tokens = 1
 
     def __init__(self, vocab, *, max_batch_size=8, max_length=64, oracle=None, wrong=lambda b, p: False,
                  q_fn=None):
@@ -81,12 +77,12 @@ class StandInDrafter:
             for b, p in enumerate(want):
                 tok = self.oracle[b][p] if self.oracle is not None and p in self.oracle[b] else 3
                 tokens.append((tok + 1 + b) % self.vocab if self.wrong(b, p) else tok)
-            return DraftResult(torch.tensor(tokens), None)
+            return DraftResult(drafts=torch.tensor(tokens)[:, None], draft_probs=None, hidden=hidden[:, -1])
         # a finished row (every row padding) drafts nothing the loop reads: any distribution will do
         q = torch.stack([self.q_fn(self.history[b], p) if p >= 2 else torch.ones(self.vocab) / self.vocab
                          for b, p in enumerate(want)]).float()
         tokens = torch.multinomial(q, 1, generator=generator).squeeze(1)
-        return DraftResult(tokens, q)
+        return DraftResult(drafts=tokens[:, None], draft_probs=q[:, None], hidden=hidden[:, -1])
 
     def check_rows(self, sequences, prompt_mask, target, eos=None):
         """Every non-padding row fed must be (target hidden at P, committed token at P + 1) of the final output."""
@@ -455,6 +451,32 @@ def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, mat
                              temperature=case.get("temperature", 0.0), top_p=case.get("top_p", 1.0),
                              generator=case.get("generator"), eos_token_id=case.get("eos"),
                              pad_token_id=case.get("pad"), lockstep=case.get("lockstep", False))
+
+
+class WithoutK:
+    """A drafter that does not say how many tokens it drafts per round."""
+
+    max_batch_size, max_length = 1, 12
+
+    def draft(self, *args, **kwargs):
+        raise AssertionError("drafter called")
+
+
+class OneDraftShape(StandInDrafter):
+    """Returns the one-draft shape the loop once accepted (``tokens`` [B], ``probs``): not a ``DraftResult``."""
+
+    def draft(self, input_ids, positions, hidden, **kwargs):
+        return SimpleNamespace(tokens=super().draft(input_ids, positions, hidden, **kwargs).drafts[:, 0], probs=None)
+
+
+def test_the_drafter_contract_is_checked(target):
+    """A drafter lacking a member of ``DraftSource`` is refused before any model call; a draft result of another
+    type, at the first draft."""
+    ids = torch.randint(1, 100, (1, 4))
+    with pytest.raises(ValueError, match=r"drafter must follow the DraftSource protocol .* got WithoutK"):
+        speculative_generate(target, WithoutK(), ids, max_new_tokens=3)
+    with pytest.raises(TypeError, match="drafter.draft must return a DraftResult, got SimpleNamespace"):
+        speculative_generate(target, OneDraftShape(120, max_batch_size=1, max_length=12), ids, max_new_tokens=3)
 
 
 @pytest.mark.parametrize("overrides,match", [

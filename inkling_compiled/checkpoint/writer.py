@@ -1,0 +1,168 @@
+"""Saving the MTP head as a raw Inkling checkpoint directory (docs/model.md §3.7): ``config.json`` describing the
+model, ``mtp.safetensors`` with the w13 rows re-interleaved, by default the three shared tensors, and an existing
+index kept true. A save that would lose data is refused before anything is written, and the write is atomic
+(:func:`~inkling_compiled.atomic_files.write_files_atomically`): on any failure the directory is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..atomic_files import write_files_atomically
+from ..config import CONFIG_FILE, ConfigError, MTPConfig, parse_config_dict
+from .layout import (
+    INDEX_FILE,
+    MTP_FILE,
+    MTP_PREFIX,
+    SAFETENSORS_NAMES,
+    SHARED_FILE,
+    SHARED_KEYS,
+    W13_SUFFIX,
+    CheckpointError,
+    interleave_rows,
+    is_draft_key,
+    raw_key,
+)
+from .reader import check_flag, checkpoint_path, non_finite, read_header, read_index
+
+
+def save_checkpoint(path, config: MTPConfig, tensors: Mapping[str, torch.Tensor], *,
+                    include_shared: bool = True) -> None:
+    """Write ``config.json`` + ``mtp.safetensors`` (raw keys, w13 re-interleaved), and by default the three shared
+    tensors as ``model.safetensors`` so the directory loads on its own. Loading it back is bit-exact.
+
+    ``tensors`` are the model's parameters by name (one floating dtype, finite). Over an existing checkpoint: an index
+    there is updated to name exactly the files just written for the keys they hold (the target's other entries
+    kept), and a save that would destroy tensors it does not own (a ``model.safetensors`` holding the whole target)
+    or leave two copies of a key with no index to choose is refused before anything is written. The write itself is
+    :func:`write_files_atomically`.
+    """
+    path = checkpoint_path(path)
+    check_flag("include_shared", include_shared)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file: save_pretrained writes a checkpoint directory")
+    files, dtype = _files_to_write(tensors, include_shared)
+    config_json = _config_json(config, dtype)
+    index = None
+    if path.is_dir():
+        index = _updated_index(path, files)
+        _refuse_data_loss(path, files, has_index=index is not None)
+    writers: dict[str, Callable[[Path], None]] = {
+        name: (lambda file, t=t: save_file(t, str(file), metadata={"format": "pt"})) for name, t in files.items()}
+    if index is not None:
+        writers[INDEX_FILE] = lambda file: _write_json(file, index)
+    writers[CONFIG_FILE] = lambda file: _write_json(file, config_json)  # renamed last
+    write_files_atomically(path, writers)
+
+
+def _files_to_write(tensors: Mapping[str, torch.Tensor], include_shared: bool):
+    """(file -> raw key -> CPU contiguous tensor, dtype), checked: one floating dtype, values present and finite."""
+    dtypes = {n: t.dtype for n, t in tensors.items()}
+    if len(set(dtypes.values())) != 1 or next(iter(dtypes.values())) not in SAFETENSORS_NAMES:
+        raise CheckpointError(f"cannot save: the tensors must share one dtype of {sorted(map(str, SAFETENSORS_NAMES))}"
+                              f", got {sorted(set(map(str, dtypes.values())))} (convert the model to one first)")
+    meta = sorted(n for n, t in tensors.items() if t.is_meta)
+    if meta:
+        raise CheckpointError(f"cannot save: tensors on the meta device hold no values: {meta}")
+    saved, storages = {}, set()
+    for name, t in tensors.items():
+        if name in SHARED_KEYS and not include_shared:
+            continue
+        t = t.detach().cpu().contiguous()
+        if t.untyped_storage().data_ptr() in storages:  # safetensors refuses tensors sharing memory (tied or
+            t = t.clone()  # overlapping views): the copy gets its own
+        storages.add(t.untyped_storage().data_ptr())
+        saved[name] = interleave_rows(t) if name.endswith(W13_SUFFIX) else t
+    bad = non_finite(saved)
+    if bad:
+        raise CheckpointError(f"cannot save: tensors hold NaN or inf values (the checkpoint would not load): {bad}")
+    files: dict[str, dict[str, torch.Tensor]] = {MTP_FILE: {}, **({SHARED_FILE: {}} if include_shared else {})}
+    for name, t in saved.items():
+        files[SHARED_FILE if name in SHARED_KEYS else MTP_FILE][raw_key(name)] = t
+    return files, next(iter(dtypes.values()))
+
+
+def _updated_index(path: Path, files: Mapping[str, Iterable[str]]) -> dict | None:
+    """The directory's index (None if it has none) naming ``files`` for exactly the keys they will hold; entries
+    for the target's other tensors are kept, stale ones for the files rewritten or for MTP depths dropped."""
+    index = read_index(path)
+    if index is None:
+        return None
+    written = {k: name for name, keys in files.items() for k in keys}
+    kept = {k: v for k, v in index["weight_map"].items()
+            if k not in written and v not in files and not k.startswith(MTP_PREFIX)}
+    return {**index, "weight_map": dict(sorted({**kept, **written}.items()))}
+
+
+def _refuse_data_loss(path: Path, files: Mapping[str, Mapping[str, torch.Tensor]], *, has_index: bool) -> None:
+    """Refuse a save that would destroy tensors it does not own, or leave a key in two files with no index."""
+    ours = {k for keys in files.values() for k in keys}
+    problems = []
+    for name in files:
+        if (path / name).is_file():
+            try:
+                held = read_header(path / name)
+            except CheckpointError:
+                continue  # an unreadable file holds nothing to lose
+            foreign = sorted(k for k in held if not is_draft_key(k))
+            if foreign:
+                problems.append(f"replacing {name} would destroy {len(foreign)} tensor(s) this save does not own "
+                                f"(e.g. {foreign[:3]})")
+    if not has_index:
+        for file in sorted(path.glob("*.safetensors")):
+            if file.name not in files and file.is_file():
+                both = sorted(ours & set(read_header(file)))
+                if both:
+                    problems.append(f"{file.name} also holds {len(both)} of the tensors saved (e.g. {both[:3]}) and "
+                                    f"there is no {INDEX_FILE} to choose between the copies")
+    if problems:
+        raise CheckpointError(f"{path}: refusing to save here: " + "; ".join(problems)
+                              + " (save to a new directory, or pass include_shared=False to write only the MTP)")
+
+
+def _write_json(file: Path, data: dict) -> None:
+    file.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _config_json(config: MTPConfig, dtype: torch.dtype) -> dict:
+    """The config.json to write, checked to describe ``config``: a config edited after loading
+    (``dataclasses.replace``) or built without a config.json would otherwise be saved as another model."""
+    raw = _config_with_depths(config, dtype)
+    try:
+        described = MTPConfig.from_hf(parse_config_dict(raw, "its config.json"), raw=raw,
+                                      mtp_log_scaling=any(d.log_scaling for d in config.depths))
+    except ConfigError as e:
+        raise CheckpointError(f"cannot save: the model's config was not read from a usable config.json ({e})") from e
+    differ = [f.name for f in fields(MTPConfig) if f.compare
+              and getattr(described, f.name) != getattr(config, f.name)]
+    if differ:
+        raise CheckpointError(f"cannot save: the config.json the model was loaded with no longer describes it "
+                              f"(fields {differ} differ); edit config.raw to match")
+    return raw
+
+
+def _config_with_depths(config: MTPConfig, dtype: torch.dtype) -> dict:
+    """The config.json the model was loaded from, with its depth count and dtype set to what is actually saved."""
+    raw = copy.deepcopy(config.raw)
+    n = config.num_depths
+    text = raw.get("text_config", raw)
+    for section in {id(raw): raw, id(text): text}.values():
+        if "dtype" in section:
+            section["dtype"] = str(dtype).removeprefix("torch.")
+    if text.get("num_mtp_layers") is not None:
+        text["num_mtp_layers"] = n
+    if text.get("mtp_local_layer_ids") is not None:
+        text["mtp_local_layer_ids"] = [i for i in text["mtp_local_layer_ids"] if i < n]
+    mtp_config = raw.get("mtp_config")
+    if mtp_config:
+        mtp_config["num_nextn_predict_layers"] = n
+        if mtp_config.get("local_layer_ids") is not None:
+            mtp_config["local_layer_ids"] = [i for i in mtp_config["local_layer_ids"] if i < n]
+    return raw
