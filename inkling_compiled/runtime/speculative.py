@@ -279,9 +279,9 @@ class Decoding:
     ``scores(context, logits [n, V], rows)`` gives the processed scores the token is the argmax of (greedy) or
     sampled from the softmax of; ``context`` [n, L] holds each row's tokens before that position (its left-padded
     prompt, then its new tokens) and ``rows`` [n] their batch rows, both passed only with ``needs_context`` (else
-    None, one call for every row and column). ``draft_scores``
-    processes each draft's log-distribution the same way (sampling); the draft is then re-drawn from it by a maximal
-    coupling, so it stays the drafter's token whenever it can. ``stop(sequences [n, L]) -> bool [n]`` is a stopping
+    None, one call for every row and column). ``draft_scores`` processes each draft's log-distribution the same way
+    (sampling); the draft is then re-drawn from it by a maximal coupling, so it stays the drafter's token whenever
+    it can. ``stop(sequences [n, L]) -> bool [n]`` is a stopping
     criterion checked after every emitted token; with ``pad_after_stop`` a row it ends is finished (padding after),
     without it (``generate`` with no EOS id) the row goes on until every row has been stopped once.
     """
@@ -302,7 +302,7 @@ class _Batch:
 
     def __init__(self, prompt: torch.Tensor, max_new_tokens: int, k: int, pad_token_id: int):
         batch = prompt.shape[0]
-        self.prompt, self.pad = prompt, pad_token_id
+        self.prompt, self.pad, self.k = prompt, pad_token_id, k
         self.out = torch.full((batch, max_new_tokens + k + 1), pad_token_id, dtype=torch.long, device=prompt.device)
         self.count = torch.zeros(batch, dtype=torch.long, device=prompt.device)
         self.counts, self.limits = [0] * batch, [max_new_tokens] * batch
@@ -323,12 +323,6 @@ class _Batch:
             batch_rows = torch.tensor([rows[i] for i in members], device=extra.device)
             yield index, batch_rows, torch.cat([self.prompt[batch_rows], self.out[batch_rows, :count], extra[index]],
                                                dim=1)
-
-    def reserve(self, k: int) -> None:
-        """Room for a round of ``k`` drafts past the longest row's limit."""
-        missing = max(self.limits) + k + 1 - self.out.shape[1]
-        if missing > 0:
-            self.out = torch.cat([self.out, self.out.new_full((self.out.shape[0], missing), self.pad)], dim=1)
 
     def width(self) -> int:
         return min(max(self.counts), max(self.limits))
@@ -365,7 +359,7 @@ def run_loop(target, drafter, input_ids, attention_mask, decoding: Decoding, *, 
     # A drafter may run in another dtype than the target (a bf16 / int8 draft head beside an fp32 target, holding its
     # own copy of the shared tensors): it gets the target's hiddens in its own dtype.
     draft_dtype = getattr(getattr(drafter, "model", None), "dtype", None)
-    k = getattr(drafter, "num_speculative_tokens", 1)
+    k = drafter.num_speculative_tokens
     batch = _Batch(input_ids, max_new_tokens, k, pad_token_id)
     cache = DynamicCache(config=target.config)
     live, hidden, goes = _prefill(target, input_ids, attention_mask, rows, cache, batch, decoding, eos_t, generator,
@@ -379,8 +373,6 @@ def run_loop(target, drafter, input_ids, attention_mask, decoding: Decoding, *, 
         if not all(goes):
             live = live.keep(cache, [b for b, g in enumerate(goes) if g])
         live = _with_proposals(live, result, decoding, batch, generator)
-        k = live.drafts.shape[1]
-        batch.reserve(k)
         reach = _rows_reach(target, input_ids, attention_mask, rows, k)
         lockstep = lockstep or _storage_may_reach_log_scaling(target, length, max_new_tokens, k)
     while live is not None:
@@ -440,6 +432,7 @@ def _column_scores(score, decoding: Decoding, batch: _Batch, rows: list[int], lo
 
 
 def _choose(decoding: Decoding, scores: torch.Tensor, generator) -> torch.Tensor:
+    """The target's token from processed scores [..., V]: their argmax, or a sample of their softmax."""
     return scores.argmax(-1) if decoding.greedy else _sample(scores.softmax(dim=-1), generator)
 
 
@@ -473,8 +466,8 @@ def _with_proposals(live: _Live, result, decoding: Decoding, batch: _Batch, gene
     """``live`` with the drafts of ``result`` (its rows' own), processed like the target's (``draft_scores``)."""
     drafts, q = _proposals(result, live.rows.device)
     drafts, q = drafts[live.rows], None if q is None else q[live.rows]
-    if live.drafts is not None and drafts.shape[1] != live.drafts.shape[1]:
-        raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, {live.drafts.shape[1]} at the prefill")
+    if drafts.shape[1] != batch.k:
+        raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, its num_speculative_tokens is {batch.k}")
     if not decoding.greedy:
         if q is None:
             raise ValueError("the drafter returned no probs for temperature > 0")

@@ -235,3 +235,15 @@ def test_sampling_with_top_k_and_top_p_follows_the_processed_target_law(tiny_voc
     assert chi_square_pvalue(samples, joint) > 1e-3
     raw_joint = processed_laws(target, prompt, NEW, LogitsProcessorList([TemperatureLogitsWarper(0.9)]))[1]
     assert chi_square_pvalue(samples, raw_joint) < 1e-6  # the bound can fail: the untruncated law is rejected
+
+
+def test_a_drafter_returning_other_than_its_k_drafts_is_refused(target):
+    class TooMany(KStandInDrafter):
+        def draft(self, *args, **kwargs):
+            result = super().draft(*args, **kwargs)
+            result.drafts = torch.cat([result.drafts, result.drafts[:, :1]], dim=1)
+            return result
+
+    with pytest.raises(ValueError, match="returned 3 drafts, its num_speculative_tokens is 2"):
+        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, custom_generate=custom_generate,
+                        drafter=TooMany(2, 120, oracle=[{}]))
