@@ -6,20 +6,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-# test-floor: the tests that exercise our dependencies, in a second venv holding the lowest version of every
-# requirement that pyproject.toml allows (.ci/floor_constraints.py turns each `>=X` into `==X`; torch 2.11 is a
-# CUDA build from PyPI, ~1.7 GB). transformers, safetensors, tqdm: speculative loop, parity, checkpoints, bench e2e;
-# torchao: its schemes (eager, and the import and one compile printing nothing);
-# torch: one compile of the real model step with both passes (the whole suite on 2.11 is too slow for CI);
-# matplotlib: the benchmark's report image.
+# test-floor: the tests marked `floor` (pytest -m floor: those that exercise our dependencies), in a second venv
+# holding the lowest version of every requirement pyproject.toml allows (.ci/floor_constraints.py turns each `>=X`
+# into `==X`; torch 2.11 is a CUDA build from PyPI, ~1.7 GB).
 FLOOR_VENV  ?= .venv-floor
 FLOOR_PY    := $(FLOOR_VENV)/bin/python
-FLOOR_TESTS ?= tests/test_hf_compat.py tests/runtime/test_speculative.py tests/runtime/test_perrow.py \
-               tests/model/test_parity_hf.py tests/model/test_torchao_schemes.py \
-               tests/test_checkpoint.py tests/test_config.py tests/testing/test_synthetic.py \
-               tests/testing/test_fixture_parity.py \
-               tests/bench/test_e2e.py::test_e2e_section_on_the_distilled_target \
-               tests/passes/test_real_model.py::test_ids_step_and_top_tokens_fp32 tests/bench/test_plots.py
 
 .PHONY: bench test lint test-floor setup
 
@@ -33,10 +24,11 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 bench: $(VENV)/.installed
-	$(PY) -m bench.run $(ARGS)
+	$(PY) -m bench run $(ARGS)
 
+# Where CI is set (.ci/run sets it) the `slow` tests run too; elsewhere `make test` leaves them out
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(if $(CI),,-m "not gpu and not slow") $(ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
@@ -53,4 +45,4 @@ $(FLOOR_VENV)/.installed: pyproject.toml .ci/floor_constraints.py
 
 test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_PY) -m pip list --format=freeze | grep -iE "^($$(cut -d= -f1 $(FLOOR_VENV)/constraints.txt | paste -sd'|'))=="
-	$(FLOOR_PY) -m pytest -q $(FLOOR_TESTS) $(ARGS)
+	$(FLOOR_PY) -m pytest -q -m "floor and not gpu" $(ARGS)

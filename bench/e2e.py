@@ -1,25 +1,17 @@
-"""End to end on a self-distilled target: tokens/s and acceptance, greedy, batch 1, one draft per round (K = 1;
-:mod:`bench.ksweep` sweeps K).
-
-``python -m bench.run`` runs it on the text target (:mod:`inkling_compiled.training.text_target`) with held-out
-source lines as prompts; given no prompts it draws random ids (the distribution a synthetic target's draft head was
-distilled on). Runs, on the same prompts and for the same number of new tokens with no EOS stop: the target alone
-(``target.generate(do_sample=False)``, and a minimal greedy loop making the same target calls as our speculative
-loop, which separates the speculative gain from ``generate``'s own per-token overhead), transformers' own MTP
-speculative decoding (``generate(use_mtp=True)``, which drafts with every MTP depth and rebuilds its ``MtpModel``
-inside each call), and ours (``speculative_generate`` with a ``Drafter`` over depth 0: eager, and compiled with our
-passes). Every method gets one untimed warm-up call (compiles the drafter's prefill / 1-row / 2-row shapes), then
-the methods take turns prompt by prompt, so drift on a shared machine hits them alike.
-Greedy speculative decoding is lossless, so each method's tokens are compared with the target's.
-"""
+"""End to end on a self-distilled target, greedy, batch 1: tokens/s and acceptance of our speculative generation at
+K = 1 and the largest K asked for, against the target alone and transformers' ``generate(use_mtp=True)``: the
+``e2e`` section. The methods take turns prompt by prompt, after one untimed warm-up each (the drafters' compiles)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from transformers import DynamicCache
+from transformers.generation.candidate_generator import MTPCandidateGenerator
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.config import logits_vocab_size
@@ -27,25 +19,60 @@ from inkling_compiled.hf_compat import cache_argument
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.runtime.speculative import speculative_generate
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
+from inkling_compiled.training import distill, text_target
 
+from .harness import Context, Settings, fmt, progress, table, yes
+from .models import distilled
 from .step import compile_options
 
+TEXT_PROMPT_LEN = 32  # bytes of held-out source per prompt
+LABELS = {"target": "target.generate (greedy)", "target_loop": "target alone, minimal greedy loop",
+          "hf_mtp": "transformers generate(use_mtp=True)", "ours_eager": "ours, eager drafter"}
 
-@dataclass
-class E2EConfig:
-    prompts: int = 4
-    prompt_len: int = 8
-    new_tokens: int = 64
-    seed: int = 0
-    compiled: bool = True  # also run ours with the compiled drafter
-    hf_mtp: bool = True
+
+def label(name: str) -> str:
+    return LABELS.get(name) or f"ours, compiled drafter, K = {name.rsplit('_k', 1)[-1]}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The distilled checkpoint the end-to-end sections run on, with its prompts (None: random ids)."""
+
+    checkpoint: Path
+    label: str
+    prompts: torch.Tensor | None
+    metrics: dict | None  # distill.json without the loss history (and the text target's build figures)
+
+
+def build_target(s: Settings) -> Target:
+    """The text target (built on first use, a few minutes, then cached), a checkpoint given with --e2e-checkpoint
+    (a text target's own gets held-out prompts too), or the self-distilled synthetic tiny8."""
+    if s.e2e_checkpoint is not None:
+        path = s.e2e_checkpoint
+    elif s.e2e_target == "text":
+        progress("e2e: the text target (trained on stdlib source, MTP self-distilled; built once, then cached)")
+        path = text_target.build(text_target.RECIPE)
+    else:
+        progress("e2e: tiny8 target checkpoint + self-distilled MTP (cached after the first run)")
+        path = distilled("tiny8", s.distill_steps)
+    if text_target.is_built(path):
+        m = text_target.load_metrics(path)
+        built = {k: m[k] for k in ("heldout_bits_per_byte", "heldout_text_agreement", "train_seconds",
+                                   "build_seconds", "parameters", "corpus")}
+        name = (f"text target: stdlib source, {m['parameters'] / 1e3:.0f} k parameters, "
+                f"{m['heldout_bits_per_byte']:.2f} held-out bits/byte; held-out prompts")
+        prompts = text_target.heldout_prompts(max(s.e2e_prompts, 4), TEXT_PROMPT_LEN)  # the K sweep's batch takes 4
+        return Target(path, name, prompts, {**m["distill"], "text_target": built})
+    try:
+        metrics = {k: v for k, v in distill.load_metrics(path).items() if k != "loss_history"}
+    except FileNotFoundError:  # a checkpoint that was not distilled here
+        metrics = None
+    return Target(path, f"distilled synthetic target {path.name}, random prompts", None, metrics)
 
 
 @contextlib.contextmanager
 def count_hf_matches():
-    """Record transformers' MTP rounds: (drafted, accepted) per verify round, from its candidate generator."""
-    from transformers.generation.candidate_generator import MTPCandidateGenerator
-
+    """transformers' MTP rounds as [drafted, accepted], from its candidate generator."""
     rounds: list[list[int]] = []
     get, update = MTPCandidateGenerator.get_candidates, MTPCandidateGenerator.update_candidate_strategy
 
@@ -64,27 +91,13 @@ def count_hf_matches():
     try:
         yield rounds
     finally:
-        MTPCandidateGenerator.get_candidates = get
-        MTPCandidateGenerator.update_candidate_strategy = update
-
-
-def distilled_checkpoint(steps: int | None = None, progress=print, preset: str = "tiny"):
-    """The synthetic ``preset``'s checkpoint with its MTP self-distilled (both cached after the first run, under
-    ``INKLING_COMPILED_CACHE``): ``python -c "from bench.e2e import distilled_checkpoint; distilled_checkpoint()"``
-    builds it ahead of a run on another machine."""
-    from inkling_compiled.testing.synthetic import cached_checkpoint
-    from inkling_compiled.training.distill import distill
-
-    progress(f"e2e: {preset} target checkpoint + self-distilled MTP (cached after the first run)")
-    return distill(cached_checkpoint(preset), progress=True, **({"steps": steps} if steps else {}))
+        MTPCandidateGenerator.get_candidates, MTPCandidateGenerator.update_candidate_strategy = get, update
 
 
 def prompt_batch(prompts: torch.Tensor | None, count: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    """The first ``count`` rows of ``prompts`` [N, P] (checked), or ``count`` seeded random prompts of ``length``
-    ids when it is None."""
+    """The first ``count`` rows of ``prompts`` [N, P] (checked), or ``count`` seeded random prompts."""
     if prompts is None:
-        gen = torch.Generator().manual_seed(seed + 1000)
-        return torch.randint(3, vocab, (count, length), generator=gen)
+        return torch.randint(3, vocab, (count, length), generator=torch.Generator().manual_seed(seed + 1000))
     if prompts.dim() != 2 or prompts.shape[0] < count or prompts.dtype != torch.long:
         raise ValueError(f"prompts must be int64 [N >= {count}, P], got {prompts.dtype} {tuple(prompts.shape)}")
     if int(prompts.min()) < 0 or int(prompts.max()) >= vocab:
@@ -92,117 +105,126 @@ def prompt_batch(prompts: torch.Tensor | None, count: int, length: int, vocab: i
     return prompts[:count]
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+@dataclass
+class E2E:
+    target: str
+    checkpoint: str
+    prompts: int
+    prompt_len: int
+    new_tokens: int
+    hf_mtp_depths: int
+    methods: dict[str, dict] = field(default_factory=dict)
+    distill: dict | None = None
 
 
-def run_e2e(checkpoint, *, device="cpu", cfg: E2EConfig | None = None, progress=lambda msg: None,
-            distill_metrics: dict | None = None, prompts: torch.Tensor | None = None, target_label: str = "") -> dict:
-    """Tokens/s and acceptance of each method on ``checkpoint`` (a distilled raw-layout directory), fp32.
-
-    ``prompts`` [N >= cfg.prompts, P] (held-out text, say) replace the random ids of ``cfg.prompt_len``;
-    ``target_label`` says what the target is in the record and the table."""
-    cfg = cfg or E2EConfig()
-    device = torch.device(device)
-    target = load_hf_target(checkpoint, dtype=torch.float32).to(device).requires_grad_(False)
+def run_e2e(checkpoint, *, ks=(1,), prompts: torch.Tensor | None = None, count: int = 4, new_tokens: int = 64,
+            compiled: bool = True, hf_mtp: bool = True, eager: bool = True, target_loop: bool = True,
+            target_label: str = "", distill_metrics: dict | None = None) -> E2E:
+    """Every method on ``count`` prompts of ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
+    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(checkpoint, target=target)
     text = target.config.get_text_config()
     vocab = logits_vocab_size(text)
-    prompts = [row[None].to(device) for row in prompt_batch(prompts, cfg.prompts, cfg.prompt_len, vocab, cfg.seed)]
-    gconfig = greedy_generation_config(target, cfg.new_tokens)
-    gconfig_mtp = greedy_generation_config(target, cfg.new_tokens)
+    rows = [row[None] for row in prompt_batch(prompts, count, 8, vocab, 0)]
+    gconfig, gconfig_mtp = (greedy_generation_config(target, new_tokens) for _ in range(2))
     gconfig_mtp.use_mtp = True
-    max_length = prompts[0].shape[1] + cfg.new_tokens + 8
+    max_length = rows[0].shape[1] + new_tokens + 8
 
-    def target_alone(p):
-        out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig)
-        return out, None
+    def alone(p):
+        return target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig), None
 
-    mup = text.logits_mup_width_multiplier
-
-    def target_loop(p):
-        """The target alone through the same calls our speculative loop makes (no generate() machinery)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=target.config)
-        cache_kwarg = {cache_argument(target.model): cache}
-        mask = torch.ones_like(p)
-        ids, out = p, []
-        for _ in range(cfg.new_tokens):
-            h = target.model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwarg).last_hidden_state
-            ids = target.lm_head(h[:, -1:] / mup)[..., :vocab].argmax(-1)
+    def loop(p):
+        """The target alone through the calls our speculative loop makes (no generate() machinery)."""
+        cache, mask, ids, out = DynamicCache(config=target.config), torch.ones_like(p), p, [p]
+        for _ in range(new_tokens):
+            h = target.model(input_ids=ids, attention_mask=mask, use_cache=True,
+                             **{cache_argument(target.model): cache}).last_hidden_state
+            ids = target.lm_head(h[:, -1:] / text.logits_mup_width_multiplier)[..., :vocab].argmax(-1)
             out.append(ids)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        return torch.cat([p, *out], dim=1), None
+        return torch.cat(out, dim=1), None
 
-    def hf_mtp(p):
-        with count_hf_matches() as rounds:
+    def transformers_mtp(p):
+        with count_hf_matches() as found:
             out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig_mtp)
-        drafted = sum(r[0] for r in rounds)
-        accepted = sum(r[1] for r in rounds if r[0] > 0)
-        return out, (drafted, accepted, sum(1 for r in rounds if r[0] > 0))
+        drafting = [r for r in found if r[0] > 0]
+        return out, (sum(r[0] for r in drafting), sum(r[1] for r in drafting), len(drafting))
 
-    def ours(drafter):
+    def ours(k, compile):
+        drafter = Drafter(mtp, 1, max_length, num_speculative_tokens=k, compile=compile,
+                          compile_options=compile_options(passes=True, fresh=False) if compile else None)
+
         def run(p):
-            out = speculative_generate(target, drafter, p, max_new_tokens=cfg.new_tokens)
+            out = speculative_generate(target, drafter, p, max_new_tokens=new_tokens)
             return out.sequences, (out.num_drafted, out.num_accepted, out.num_rounds)
         return run
 
-    methods = {"target": target_alone, "target_loop": target_loop}
-    if cfg.hf_mtp:
-        methods["hf_mtp"] = hf_mtp
-    # one draft per round (K = 1): the section's fixed point; the K sweep (bench.ksweep) runs every K
-    methods["ours_eager"] = ours(Drafter(mtp, 1, max_length, num_speculative_tokens=1, compile=False))
-    if cfg.compiled:
-        methods["ours_compiled"] = ours(Drafter(mtp, 1, max_length, num_speculative_tokens=1, compile=True,
-                                                compile_options=compile_options(passes=True, fresh=False)))
+    methods = {"target": alone, **({"target_loop": loop} if target_loop else {}),
+               **({"hf_mtp": transformers_mtp} if hf_mtp else {}), **({"ours_eager": ours(1, False)} if eager else {})}
+    methods.update({f"ours_compiled_k{k}": ours(k, True) for k in ks if compiled and k <= mtp.config.num_depths})
+    figures = interleaved(methods, rows)
+    base = figures["target"]["tokens"] / figures["target"]["seconds"]
+    record = E2E(target_label or "distilled synthetic target, random prompts", str(checkpoint), len(rows),
+                 rows[0].shape[1], new_tokens, text.num_mtp_layers, distill=distill_metrics)
+    for name, f in figures.items():
+        tokens_per_s = f["tokens"] / f["seconds"]
+        record.methods[name] = {
+            "k": int(name.rsplit("_k", 1)[1]) if "_k" in name else 1 if name == "ours_eager" else None,
+            "tokens_per_s": tokens_per_s, "ms_per_token": 1e3 * f["seconds"] / f["tokens"],
+            "speedup_vs_target": tokens_per_s / base, "new_tokens": f["tokens"], "seconds": f["seconds"],
+            "warmup_s": f["warmup_s"], "acceptance": f["accepted"] / f["drafted"] if f["drafted"] else None,
+            "drafted": f["drafted"], "accepted": f["accepted"], "rounds": f["rounds"],
+            "tokens_per_round": (f["tokens"] - len(rows)) / f["rounds"] if f["rounds"] else None,
+            "outputs_match_target": None if name == "target" else f["matches"] == len(rows)}
+    return record
 
-    acc = {name: dict(seconds=0.0, tokens=0, drafted=0, accepted=0, rounds=0, matches=0, warm=0.0)
-           for name in methods}
+
+def interleaved(methods: dict, rows: list[torch.Tensor]) -> dict[str, dict]:
+    """Each method's seconds, tokens, draft counts and prompts matching the target, after one untimed warm-up each;
+    the methods take turns prompt by prompt (order rotating), so drift on a shared machine hits them alike."""
+    figures = {name: dict(seconds=0.0, tokens=0, drafted=0, accepted=0, rounds=0, matches=0) for name in methods}
     with torch.no_grad():
         for name, fn in methods.items():
-            progress(f"e2e: {name} (warm-up{' + drafter compiles' if name == 'ours_compiled' else ''})")
-            t0 = time.perf_counter()
-            fn(prompts[0])
-            acc[name]["warm"] = time.perf_counter() - t0
-        progress(f"e2e: timing {len(prompts)} prompts x {len(methods)} methods, interleaved")
-        for i, p in enumerate(prompts):
-            # every method on this prompt in turn (order rotating), so drift on a shared machine hits all alike
-            names = list(methods)
-            names = names[i % len(names):] + names[:i % len(names)]
-            outs = {}
-            for name in names:
-                _sync(device)
-                t0 = time.perf_counter()
-                out, stats = methods[name](p)
-                _sync(device)
-                a = acc[name]
-                a["seconds"] += time.perf_counter() - t0
-                outs[name] = out[:, p.shape[1]:]
-                a["tokens"] += outs[name].shape[1]
-                if stats:
-                    a["drafted"] += stats[0]
-                    a["accepted"] += stats[1]
-                    a["rounds"] += stats[2]
-            reference = outs["target"]
-            for name, new in outs.items():
-                n = min(new.shape[1], reference.shape[1])
-                acc[name]["matches"] += int(torch.equal(new[:, :n], reference[:, :n]))
-    results: dict[str, dict] = {}
-    for name, a in acc.items():
-        results[name] = {
-            "tokens_per_s": a["tokens"] / a["seconds"], "ms_per_token": 1e3 * a["seconds"] / a["tokens"],
-            "new_tokens": a["tokens"], "seconds": a["seconds"], "warmup_s": a["warm"],
-            "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
-            "drafted": a["drafted"], "accepted": a["accepted"], "rounds": a["rounds"],
-            "tokens_per_round": (a["tokens"] - len(prompts)) / a["rounds"] if a["rounds"] else None,
-            "outputs_match_target": None if name == "target" else a["matches"] == len(prompts),
-        }
-    base = results["target"]["tokens_per_s"]
-    for r in results.values():
-        r["speedup_vs_target"] = r["tokens_per_s"] / base
-    return {"checkpoint": str(checkpoint), "device": str(device), "prompts": cfg.prompts,
-            "prompt_len": prompts[0].shape[1], "new_tokens": cfg.new_tokens, "methods": results,
-            "hf_mtp_depths": text.num_mtp_layers, "distill": distill_metrics,
-            "target": target_label or "distilled synthetic target, random prompts"}
+            progress(f"e2e: {label(name)}: warm-up" + (" (compiles the drafter)" if "compiled" in name else ""))
+            start = time.perf_counter()
+            fn(rows[0])
+            figures[name]["warmup_s"] = time.perf_counter() - start
+        progress(f"e2e: timing {len(rows)} prompts x {len(methods)} methods, interleaved")
+        for i, p in enumerate(rows):
+            names, news = list(methods), {}
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                start = time.perf_counter()
+                out, counts = methods[name](p)
+                f = figures[name]
+                f["seconds"] += time.perf_counter() - start
+                news[name] = out[:, p.shape[1]:]
+                f["tokens"] += news[name].shape[1]
+                for key, n in zip(("drafted", "accepted", "rounds"), counts or ()):
+                    f[key] += n
+            for name, new in news.items():
+                n = min(new.shape[1], news["target"].shape[1])
+                figures[name]["matches"] += int(torch.equal(new[:, :n], news["target"][:, :n]))
+    return figures
+
+
+def measure(ctx: Context) -> E2E:
+    s, target = ctx.settings, ctx.e2e_target()
+    return run_e2e(target.checkpoint, ks=s.e2e_ks, prompts=target.prompts, count=s.e2e_prompts,
+                   new_tokens=s.e2e_tokens, compiled=s.runs("compiled"), hf_mtp=s.runs("peer"),
+                   eager=s.runs("e2e_eager"), target_loop=s.runs("target_loop"), target_label=target.label,
+                   distill_metrics=target.metrics)
+
+
+def lines(e2e: dict) -> list[str]:
+    agree = (e2e.get("distill") or {}).get("agreement_after")
+    out = [f"end to end ({e2e['target']}; greedy, batch 1, {e2e['prompts']} prompts x {e2e['new_tokens']} new tokens"
+           + (f"; distilled depth agreement {', '.join(f'{a:.2f}' for a in agree)}" if agree else "") + ")"]
+    rows = [["method", "tok/s", "ms/tok", "accept", "tok/round", "vs target", "same tokens"]]
+    for name, m in e2e["methods"].items():
+        rows.append([label(name), f"{m['tokens_per_s']:.1f}", f"{m['ms_per_token']:.2f}", fmt(m["acceptance"]),
+                     fmt(m["tokens_per_round"]), f"{m['speedup_vs_target']:.2f}x", yes(m["outputs_match_target"])])
+    out += table(rows)
+    if "hf_mtp" in e2e["methods"]:
+        out.append(f"  transformers drafts {e2e['hf_mtp_depths']} tokens per round (every depth); ours K (depths "
+                   "0..K-1); tok/round: tokens per target forward")
+    return out

@@ -1,12 +1,6 @@
-"""The GEMM-only floor: the matrix multiplies a step performs, recorded from one eager call and replayed alone.
-
-:func:`record_gemms` runs a function under a ``TorchDispatchMode`` and keeps every ``mm`` / ``addmm`` / ``bmm`` /
-``baddbmm`` (plus ``mv`` / ``addmv`` / ``dot``) it dispatches, with operand shapes, strides and dtypes and the
-non-tensor arguments (``alpha``, ``beta``). An operand whose storage is a model parameter marks a *weight* GEMM
-(projections, LM head); the others are activation GEMMs (attention scores / values). :class:`GemmFloor` allocates
-fresh operands with the same layout and calls the same aten overloads in the same order, so the floor times exactly
-the step's GEMMs, nothing else (on CUDA captured in a CUDA graph, so launch gaps do not count either).
-"""
+"""The GEMM-only floor: the matrix multiplies one eager step dispatches (recorded under a ``TorchDispatchMode``;
+those reading a parameter are *weight* GEMMs), replayed alone on fresh operands of the same layout with the same
+aten overloads (on CUDA from one CUDA graph, so launch gaps do not count)."""
 
 from __future__ import annotations
 

@@ -1,58 +1,7 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one run on a lent GPU (written for an H200 with torch 2.11 + triton 3.6 preinstalled and
-# this repo copied in) that produces every CUDA figure the open issues ask for, in <= 8 minutes.
-#
-#   OUT=/some/dir bash bench/gpu_check.sh                 # every stage, most valuable first
-#   STAGES=e2e,small OUT=/some/dir bash bench/gpu_check.sh  # only these: a rerun after a fix, or the rest of a run
-#                                                         # that was cut (the summary lists what did not finish)
-#
-# Stages, in order of value; each runs under its own limit (seconds, override with T_<NAME>=...), and no stage
-# starts or runs past BUDGET (470 s) from the script's start, so the whole run stays within 8 minutes:
-#   env     30  the machine and GPU first, then the carried wheels from .whl/ (no registry is needed or
-#               reached), then the versions of what the stages import
-#   graphs  60  pytest -m gpu -k cuda_graph: the drafter's CUDA-graph capture / replay tests, K = 1 and the whole
-#               K = 8 round (issue 11) as one graph per bucket
-#   full    90  the benchmark at the real per-depth dims (1 MTP depth, 2-layer trunk), bf16, random weights built on
-#               the device: eager / compiled / transformers / GEMM floor, kernel counts, bytes read vs copy
-#               bandwidth; the CUDA-graph variant is built last (a capture failure loses nothing else)
-#   e2e     80  speculative generation end to end on CUDA (compiled drafter, CUDA graphs) vs the target alone and
-#               transformers' generate(use_mtp=True), on the carried self-distilled tiny target (else one distilled
-#               there, briefly): tokens/s, acceptance, same tokens as the target
-#   tests   75  the other gpu tests: Triton launch counts of our passes, ulp-compared outputs, the CUDA-graph GEMM
-#               floor, copy bandwidth
-#   aoti    70  the packaged AOTInductor rounds (issue 15): their gpu test (CUDA graphs of a K = 3 packaged round),
-#               then the benchmark's packaged section on tiny: start-up and per-call rows
-#   quant   40  weight-only quantized drafting (issue 14): its gpu tests (ours and torchao's schemes under CUDA
-#               graphs), and the benchmark's quant section at the real per-depth dims (fp32 / bf16 / int8 depths /
-#               int8 depths + head / torchao int8 and float8 depths + our int8 head, against the fp32 GEMM floor)
-#   small  rest the benchmark at `small` (H 1024, V 32000), bf16, a synthetic checkpoint shared with transformers:
-#               cold / warm compile + CUDA-graph capture in subprocesses, kernels, latency (>= 25 s even when every
-#               stage before it runs to its limit)
-# aoti / quant each run their gpu tests (pytest -m gpu -k <words>) and their benchmark section (a name in
-# bench/run.py's SECTIONS) where the build has them, and otherwise say "not available in this build".
-#
-# $OUT gets at most 5 files at any moment (the device tool returns 8): gpu_check.log (the summary: each stage's
-# command, exit, time and log tail, and a closing table), gpu_check.tar (each finished stage's full log and JSON,
-# its report image where the machine has matplotlib (else draw it here: `python -m bench.report bench_<stage>.json`),
-# and RESULTS.md with the entries to append to bench/RESULTS.md), and while a stage runs its own <stage>.log and
-# bench_<stage>.json (written after every section: a stage cut at its limit, or the whole command cut, keeps what
-# it measured; a TERM or INT to the script stops the running stage and closes the summary). Read the tar with
-# `tar -xf gpu_check.tar` (a later copy of a name replaces an earlier one).
-#
-# Dry run on a CPU machine (the GPU-only parts skip; the chosen presets run on CPU):
-#   BENCH_DEVICE=cpu FULL_CONFIG=tiny SMALL_CONFIG=tiny BENCH_EXTRA=--quick OUT=/tmp/gpu_check bash bench/gpu_check.sh
-# (with PYTHON=path/to/python where python3 is not the one that has the project's packages)
-#
-# Before calling the device tool, here, in the repo root (git ignores .whl/): the GPU image had transformers 5.17
-# (no Inkling classes; we need >= 5.23) and no torchao (the quant stage's torchao rows and tests need it; its wheel
-# is cp310-abi3, so it installs on the image's Python 3.12), so
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0 torchao==0.18.0
-# and the
-# self-distilled tiny checkpoint for the e2e stage (distilling it there takes most of that stage; .cache/ is ignored),
-# with the project's Python:
-#   python -c "import shutil; from bench.e2e import distilled_checkpoint as d; shutil.copytree(d(), '.cache/e2e-tiny')"
-# then name .whl and .cache/e2e-tiny in the call's carry. The command: `OUT=$OUT bash bench/gpu_check.sh`, with
-# timeout_s 540 (8 minutes and a margin).
+# The prepared GPU check: `OUT=/some/dir bash bench/gpu_check.sh` (every stage; STAGES=e2e,small for some), each
+# stage under its own limit within an 8-minute budget. Stages, outputs, the CPU dry run and what to carry to the
+# machine: bench/README.md, "The GPU check".
 set -u
 
 cd "$(dirname "$0")/.."
@@ -122,7 +71,7 @@ stage() {  # stage NAME LIMIT COMMAND...   (LIMIT "rest": whatever is left of th
   { echo "----- tail of $name.log -----"; tail -n 40 "$OUT/$name.log"; echo "-----------------------------"; } \
     >> "$SUMMARY"
   if [ -f "$OUT/bench_$name.json" ]; then
-    "$PY" -m bench.records "$OUT/bench_$name.json" 2>&1 | tee -a "$SUMMARY"
+    "$PY" -m bench report "$OUT/bench_$name.json" --no-image 2>&1 | head -n 1 | tee -a "$SUMMARY"
   fi
   # writes cut short by the kill (the JSON and image before them are whole)
   rm -f "$OUT/bench_$name.json.tmp" "$OUT/bench_$name.png.tmp"
@@ -134,7 +83,7 @@ stage() {  # stage NAME LIMIT COMMAND...   (LIMIT "rest": whatever is left of th
 bench() {  # bench NAME ARGS...: the benchmark on $DEVICE, JSON after every section, entries recorded in $WORK
   local name=$1
   shift
-  "$PY" -m bench.run --device "$DEVICE" --json "$OUT/bench_$name.json" --record "$WORK/RESULTS.md" "$@" $EXTRA
+  "$PY" -m bench run --full --device "$DEVICE" --json "$OUT/bench_$name.json" --record "$WORK/RESULTS.md" "$@" $EXTRA
 }
 
 gpu_tests() {  # gpu_tests PYTEST-ARGS...: exit 5 means no gpu test was selected
@@ -179,7 +128,7 @@ feature() {  # feature SECTION "WORDS" BENCH-ARGS...: gpu tests named after WORD
     rc=$?
     case $rc in 0) found=1 ;; 5) ;; *) return $rc ;; esac
   fi
-  if grep -qE "^    \"$section\": \"" bench/run.py; then
+  if grep -qE "Section\(\"$section\"" bench/run.py; then
     found=1
     bench "$section" "$@" || return $?
   fi
@@ -215,22 +164,20 @@ log "OUT=$OUT device=$DEVICE full=$FULL_CONFIG small=$SMALL_CONFIG extra=[$EXTRA
 stage env 30 bash -c env_report
 [ -f "$SITE/.complete" ] && export PYTHONPATH="$REPO:$SITE${PYTHONPATH#"$REPO"}"
 stage graphs 60 bash -c 'gpu_tests -k cuda_graph'  # K = 1 and the whole K = 8 round as one graph per bucket
-# Each bench stage names the sections it leaves out: the depths / kcompile sweep is CPU-only, and the packaged and
-# quant sections have stages of their own.
-NOT_HERE="depths,kcompile,packaged"
-stage full 90 bash -c "bench full --config '$FULL_CONFIG' --weights random --skip compile,stock,quant,e2e,$NOT_HERE \
+# Each bench stage names the sections it runs (`--full`: every part of them); the depths and perrow sections are
+# CPU-only, and the packaged and quant sections have stages of their own.
+stage full 90 bash -c "bench full --config '$FULL_CONFIG' --weights random --only latency --skip stock \
   --context 128 --time-budget 10"
 E2E_SOURCE="--distill-steps 100"
 [ -d "$E2E_CHECKPOINT" ] && E2E_SOURCE="--e2e-checkpoint $E2E_CHECKPOINT"
-stage e2e 80 bash -c "bench e2e --skip compile,latency,$NOT_HERE $E2E_SOURCE --e2e-prompts 2 --e2e-tokens 48"
+stage e2e 80 bash -c "bench e2e --only e2e $E2E_SOURCE --e2e-prompts 2 --e2e-tokens 48"
 AOTI="packaged aoti" QUANT="quantiz int8 float8 torchao"  # the feature stages' test words
 stage tests 75 bash -c "gpu_tests -k 'not cuda_graph and not ($(echo $AOTI $QUANT | sed 's/ / or /g'))'"
 # the packaged round on tiny (AOTInductor compiles are what the stage costs): its gpu test, then the section alone
-stage aoti 70 bash -c "feature packaged '$AOTI' --skip compile,latency,kernels,quant,e2e,depths,kcompile \
+stage aoti 70 bash -c "feature packaged '$AOTI' --only packaged --time-budget 8"
+stage quant 40 bash -c "feature quant '$QUANT' --config '$FULL_CONFIG' --weights random --only quant --with quant \
   --time-budget 8"
-stage quant 40 bash -c "feature quant '$QUANT' --config '$FULL_CONFIG' --weights random \
-  --skip compile,latency,e2e,$NOT_HERE --with quant --time-budget 8"
-stage small rest bash -c "bench small --config '$SMALL_CONFIG' --skip e2e,stock,quant,$NOT_HERE --context 128 \
+stage small rest bash -c "bench small --config '$SMALL_CONFIG' --only compile,latency --skip stock --context 128 \
   --recompile-steps 10 --time-budget 8 --probe-timeout 60"
 
 closing_table

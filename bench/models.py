@@ -1,16 +1,7 @@
-"""The models a benchmark run compares, built once per (preset, device, dtype).
-
-* ``checkpoint`` weights (tiny / small default): the preset's seeded synthetic checkpoint (``cached_checkpoint``)
-  loaded by transformers (``InklingForConditionalGeneration`` + its ``MtpModel``) and by us
-  (``InklingMTP.from_pretrained(dir, target=...)``, sharing the target's embedding / embed_norm / LM head), so both
-  sides run the very same weights.
-* ``random`` weights (full default): nothing touches the disk; transformers' target and ``MtpModel`` are built on
-  the device with their own random init and ours is built on the device with a random init of the same scale. The
-  two sides then hold different (equally random) weights, which does not matter for latency.
-
-``full`` always uses 1 MTP depth and a 2-layer trunk (``FULL_OVERRIDES``): the real per-depth dims, none of the
-real depth count or trunk.
-"""
+"""The models a run compares, built once per (preset, device, dtype): ``checkpoint`` weights load the preset's seeded
+synthetic checkpoint into transformers and into ours (shared embedding / head, the very same weights); ``random``
+weights (the ``full`` default) build both on the device with random init. ``full`` keeps the real per-depth dims
+with 1 MTP depth and a 2-layer trunk."""
 
 from __future__ import annotations
 
@@ -18,9 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import InklingConfig, InklingForConditionalGeneration
+from transformers.modeling_layers import MtpModel
 
 from inkling_compiled import InklingMTP, MTPConfig
-from inkling_compiled.testing.synthetic import cached_checkpoint, preset_config, randomize_
+from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_mtp, load_hf_target, preset_config, randomize_
+from inkling_compiled.training.distill import distill
 
 FULL_OVERRIDES = dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -71,8 +65,6 @@ class Models:
 
 
 def _random_models(preset: str, device: torch.device, dtype: torch.dtype, peer: bool, seed: int) -> Models:
-    from transformers import InklingConfig
-
     raw = preset_config(preset, **preset_overrides(preset))
     hf_config = InklingConfig.from_dict(raw)
     config = MTPConfig.from_hf(hf_config, raw=raw)
@@ -83,9 +75,6 @@ def _random_models(preset: str, device: torch.device, dtype: torch.dtype, peer: 
     mtp.eval().requires_grad_(False)
     target = hf_mtp = None
     if peer:
-        from transformers import InklingForConditionalGeneration
-        from transformers.modeling_layers import MtpModel
-
         torch.manual_seed(seed)
         with torch.device(device):
             target = InklingForConditionalGeneration._from_config(hf_config, dtype=dtype).eval()
@@ -110,6 +99,21 @@ def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str 
     return load_checkpoint_models(path, preset=preset, device=device, dtype=dtype, peer=peer)
 
 
+def distilled(preset: str = "tiny8", steps: int | None = None) -> Path:
+    """The synthetic ``preset`` with its MTP self-distilled (both cached after the first run)."""
+    return distill(cached_checkpoint(preset), progress=True, **({"steps": steps} if steps else {}))
+
+
+def left_pad(prompts: list[torch.Tensor], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D prompts of different lengths as one left-padded batch: (ids, attention mask)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    return ids, mask
+
+
 def load_checkpoint_models(path, *, preset: str = "custom", device="cpu", dtype=torch.float32,
                            peer: bool = True) -> Models:
     """Models from a raw-layout checkpoint directory (e.g. a distilled one)."""
@@ -117,8 +121,6 @@ def load_checkpoint_models(path, *, preset: str = "custom", device="cpu", dtype=
     path = Path(path)
     target = hf_mtp = None
     if peer:
-        from inkling_compiled.testing.synthetic import load_hf_mtp, load_hf_target
-
         target = load_hf_target(path, dtype=dtype).to(device).requires_grad_(False)
         hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype).requires_grad_(False)
         mtp = InklingMTP.from_pretrained(path, target=target)

@@ -1,21 +1,6 @@
-"""The benchmark's report image: one PNG of the figures drafters are compared by, drawn from a result dict alone
-(``bench.records.Result``) on matplotlib's Agg canvas (no display, no pyplot state).
-
-Panels, each drawn only when the run measured its data (a section skipped, not reached or failed leaves its panel
-out, and the header says so; nothing is drawn empty or from another run):
-
-* the one-token draft step per variant, one panel per config, grouped by batch size, with the GEMM floor (and on
-  CUDA the HBM floor) drawn as lines;
-* acceptance per draft position for each K, and mean accepted length against K, ours and transformers', beside the
-  published vLLM figures for the full-size Inkling (docs/protocol.md §6.8);
-* end-to-end tokens/s against K, relative to the target alone;
-* draft-round latency against K, per batch size;
-* start-up, a fresh process to its first draft: cold compile, FX-cache hit, packaged;
-* the quantized step per scheme against the fp32 GEMM floor.
-
-The K panels read the ``depths`` section (the K sweep) when the run has one, else the ``e2e`` section: ours at
-K = 1, transformers' ``generate(use_mtp=True)`` at every depth it loads.
-"""
+"""The report image: one PNG of the figures drafters are compared by, drawn from a result dict alone on
+matplotlib's Agg canvas. A panel is drawn only where the run measured its data; the header names those left out.
+The K panels read the ``depths`` section when the run has one, else the ``e2e`` section."""
 
 from __future__ import annotations
 
@@ -25,7 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .report import E2E_LABELS, VARIANT_LABELS, _ms
+from .e2e import LABELS as E2E_LABELS
+from .harness import ms as _ms
+from .step import LABELS as VARIANT_LABELS
 
 COLUMNS = 2
 PANEL_W, PANEL_H, HEADER_H = 7, 4.5, 1  # inches; chosen so that inches x DPI are whole pixels
@@ -46,7 +33,7 @@ OURS = "ours"
 
 MISSING_HINT = ("plots: matplotlib is not installed, so no report image was drawn; install it with "
                 "`pip install -e '.[plots]'` (`make bench` does), then draw this run with "
-                "`python -m bench.report {json}`")
+                "`python -m bench report {json}`")
 
 
 class MatplotlibMissing(ImportError):
@@ -78,7 +65,7 @@ class Sweep:
     points: list[SweepPoint]
     target_tokens_per_s: float
     baselines: dict[str, float]  # other ways of running the target alone: label -> tokens/s over target.generate's
-    draft_round_ms: dict[int, list[tuple[int, dict]]]  # batch -> [(K, records.Stats)], by K
+    draft_round_ms: dict[int, list[tuple[int, dict]]]  # batch -> [(K, harness.Stats as a dict)], by K
     source: str  # "K sweep" or "e2e section": where the figures come from, for the panel titles
 
 
@@ -106,14 +93,12 @@ def _depths_sweep(depths: dict) -> Sweep:
 
 
 def _e2e_sweep(e2e: dict) -> Sweep:
-    methods = e2e["methods"]
-    points = []
-    for name in ("ours_compiled", "ours_eager"):
-        if name in methods:
-            m = methods[name]
-            per_position = None if m["acceptance"] is None else [m["acceptance"]]  # K = 1: accepted / drafted
-            points.append(SweepPoint(E2E_LABELS[name], 1, m["speedup_vs_target"], m["tokens_per_round"],
-                                     per_position))
+    methods, points = e2e["methods"], []
+    for name, m in methods.items():
+        if name.startswith("ours"):  # K = 1's acceptance per position is accepted / drafted; other Ks count a total
+            per_position = [m["acceptance"]] if m["k"] == 1 and m["acceptance"] is not None else None
+            method = E2E_LABELS["ours_eager"] if name == "ours_eager" else OURS
+            points.append(SweepPoint(method, m["k"], m["speedup_vs_target"], m["tokens_per_round"], per_position))
     if "hf_mtp" in methods:
         m = methods["hf_mtp"]
         points.append(SweepPoint(E2E_LABELS["hf_mtp"], e2e["hf_mtp_depths"], m["speedup_vs_target"],
@@ -140,14 +125,14 @@ class Panel:
 
 def _style(method: str) -> dict:
     """One look per method across the K panels."""
-    looks = {E2E_LABELS["ours_compiled"]: ("tab:green", "o"), OURS: ("tab:green", "o"),
+    looks = {OURS: ("tab:green", "o"),
              E2E_LABELS["ours_eager"]: ("tab:gray", "x"), E2E_LABELS["hf_mtp"]: ("tab:orange", "D")}
     color, marker = looks.get(method, ("tab:blue", "^"))
     return {"color": color, "marker": marker}
 
 
 def _whiskers(stats: list[dict]) -> tuple[list[float], list[list[float]]]:
-    """Medians and their p10 / p90 distances (matplotlib's asymmetric ``yerr``) of ``records.Stats``."""
+    """Medians and their p10 / p90 distances (matplotlib's asymmetric ``yerr``) of ``harness.Stats`` dicts."""
     med = [s["median_ms"] for s in stats]
     return med, [[m - s["p10_ms"] for m, s in zip(med, stats)], [s["p90_ms"] - m for m, s in zip(med, stats)]]
 
@@ -173,7 +158,7 @@ def _scale(ax, values: list[float]) -> None:
 
 
 def _latency_panel(name: str, cfg: dict, settings: dict) -> Panel:
-    entries = sorted(cfg["latency"].values(), key=lambda e: e["batch"])
+    entries = sorted(cfg["latency"]["batches"].values(), key=lambda e: e["batch"])
     variants = [v for v in VARIANT_LABELS if v != "gemm_floor" and any(v in e["variants"] for e in entries)]
     m = cfg["model"]
     shape = f"H {m['hidden_size']}, V {m['vocab_size']}" if m else "models not described"
@@ -284,7 +269,7 @@ def _startup_rows(result: dict) -> list[tuple[str, dict]]:
         if comp.get("warm"):
             rows.append((f"{name}: FX-cache " + ("hit" if comp["warm_cache_hit"] else "MISSED"), comp["warm"]))
         probe = ((cfg.get("packaged") or {}).get("startup") or {}).get("package")
-        if probe:  # records.StartupProbe in the parts of a compile probe
+        if probe:  # bench.probes.startup in the parts of a compile probe
             rows.append((f"{name}: packaged (AOTInductor)",
                          {"import_s": probe["import_s"], "load_s": probe["model_s"],
                           "first_call_s": probe["ready_s"] + probe["prefill_s"] + probe["first_draft_s"]}))
@@ -331,7 +316,8 @@ def plan(result: dict) -> tuple[list[Panel], list[str]]:
     """The panels ``result`` has data for, in order, and the kinds of panel left out for want of data."""
     panels, left_out = [], []
     configs = result["configs"]
-    latency = [_latency_panel(n, c, result["settings"]) for n, c in configs.items() if c.get("latency")]
+    latency = [_latency_panel(n, c, result["settings"]) for n, c in configs.items()
+               if (c.get("latency") or {}).get("batches")]
     sw = sweep(result)
     k_panels = [_acceptance_panel(sw)] if sw and any(p.acceptance_per_position for p in sw.points) else []
     if sw and any(p.mean_accepted_length is not None for p in sw.points):

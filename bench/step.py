@@ -1,26 +1,16 @@
-"""The one-token draft step, every way the benchmark runs it, at a realistic context.
-
-Each variant first has its draft cache filled by an eager prefill of ``context`` rows (depth 0 over positions
-0..context-1), then times the step for row ``context`` (target hidden at that position, the next token) — the K=1
-decode step of docs/protocol.md §6.4. The step is repeated at the same position, so the context stays fixed (our caches
-are position-addressed: rewriting the row is the same work; transformers' cache is put back to its post-prefill state
-after each call, untimed).
-
-Variants: ``eager`` (our modules through ``Drafter(compile=False)``), ``compiled_nopasses`` (``torch.compile`` with
-the post-grad custom slot empty: stock Inductor), ``compiled`` (with our passes), ``cudagraph`` (compiled + passes
-+ CUDA graph replay; CUDA only), ``compiled_call`` (``Drafter.static_step``: the compiled function alone on the
-drafter's static buffers, CPU: what ``Drafter.draft`` adds around it), ``hf_eager`` (transformers'
-``MtpModel.forward_layer(0)`` + its ``_project_to_logits`` + argmax, with its own ``MtpCache``), ``gemm_floor`` (the
-eager step's GEMMs alone, see :mod:`bench.floor`).
-"""
+"""The one-token draft step (K = 1 decode after an eager prefill of ``context`` rows, docs/protocol.md §6.4) every
+way it runs, timed side by side: the ``latency`` section."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
+from torch._inductor.graph import GraphLowering
+from transformers.cache_utils import MtpCache
 
 from inkling_compiled import passes as ic_passes
 from inkling_compiled.model import torchao_schemes
@@ -28,7 +18,18 @@ from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.kernel_stats import kernel_stats
 
 from .floor import GemmFloor, record_gemms, summarize
+from .harness import Context, Stats, fmt, ms, progress, ratios, samples_ms, table, time_variants
 from .models import Models
+
+LABELS = {
+    "eager": "ours eager",
+    "compiled_nopasses": "ours compiled (stock Inductor)",
+    "compiled": "ours compiled (+ our passes)",
+    "compiled_call": "  same, compiled graph call only",
+    "cudagraph": "ours compiled + CUDA graph",
+    "hf_eager": "transformers MtpModel (eager)",
+    "gemm_floor": "GEMM floor (the step's GEMMs alone)",
+}
 
 
 @dataclass
@@ -40,13 +41,9 @@ class StepInputs:
     positions: torch.Tensor  # [B, 1] P
     hidden: torch.Tensor  # [B, 1, H]
 
-    @property
-    def context(self) -> int:
-        return self.prefill_ids.shape[1]
-
 
 def make_inputs(models: Models, batch: int, context: int, seed: int = 0) -> StepInputs:
-    """Random tokens (real ids) and unit-scale hiddens: the step's cost does not depend on their values."""
+    """Random real ids and unit-scale hiddens: the step's cost does not depend on their values."""
     c, dev = models.config, models.device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, c.logits_vocab_size, (batch, context + 1), generator=gen).to(dev)
@@ -56,37 +53,23 @@ def make_inputs(models: Models, batch: int, context: int, seed: int = 0) -> Step
                       ids[:, context:], positions[:, context:], hidden[:, context:])
 
 
-# ------------------------------------------------------------------------------------------------------- code capture
-
 @contextlib.contextmanager
 def generated_code():
-    """Collect the wrapper source of every graph Inductor compiles inside the block.
-
-    ``torch._inductor.utils.run_and_get_code`` does the same but calls ``torch._dynamo.reset()`` first, which would
-    throw away the other variants' compiled steps; this patches the same hook without the reset.
-    """
-    from unittest import mock
-
-    from torch._inductor.graph import GraphLowering
-
+    """The wrapper source of every graph Inductor compiles inside the block (``run_and_get_code`` without its
+    ``torch._dynamo.reset()``, which would drop the other variants' compiled steps)."""
     sources: list[str] = []
     with mock.patch.object(GraphLowering, "save_output_code", lambda code: sources.append(code)):
         yield sources
 
 
 def kernel_summary(code: list[str]) -> dict:
-    """Kernel definitions and launches of the compiled step's wrapper(s) (docs/compile.md §6), Python or C++ wrapper
-    (the drafter's CPU default is ``cpp_wrapper=True``), as ``records.KernelCounts``."""
+    """Kernel definitions and launches of the compiled step's wrapper(s) (docs/compile.md §6)."""
     return {**kernel_stats(code).to_dict(), "graphs": len(code)}
 
 
-# ------------------------------------------------------------------------------------------------------- our variants
-
 def compile_options(passes: bool, fresh: bool) -> dict:
-    """``torch.compile(options=...)`` for a variant: the post-grad custom slot holds our pass manager or nothing
-    (so the global slot does not matter), and ``fresh`` turns the FX graph cache off so the passes really run (on a
-    cache hit they do not, and their match counts stay 0). Distinct options objects also give each variant its own
-    Dynamo cache entry (Dynamo guards on the backend)."""
+    """Our pass manager or nothing in the post-grad slot; ``fresh``: FX graph cache off so the passes really run.
+    Distinct options objects also give each variant its own Dynamo cache entry."""
     options = {"post_grad_custom_post_pass": ic_passes.pass_manager() if passes else None}
     if fresh:
         options["fx_graph_cache"] = False
@@ -118,117 +101,238 @@ class CompiledVariant:
     first_call_s: float
     kernels: dict
     matches: dict
-    graphs: int  # graphs Dynamo compiled for the first call
-    extra: dict = field(default_factory=dict)
 
 
-def build_compiled(models: Models, inputs: StepInputs, max_length: int, *, passes: bool,
-                   cuda_graphs: bool = False) -> CompiledVariant:
-    """Compile (FX graph cache off, so the passes run) and run the first step; collect kernels and matches."""
-    from torch._dynamo.utils import counters
-
+def build_compiled(models: Models, inputs: StepInputs, max_length: int, *, passes: bool, cuda_graphs: bool = False,
+                   fresh: bool = True) -> CompiledVariant:
+    """Compile and run the first step, collecting the generated code's kernels and our passes' matches."""
     drafter = make_drafter(models, inputs.ids.shape[0], max_length, compile=True, passes=passes,
-                           cuda_graphs=cuda_graphs, fresh=True)
+                           cuda_graphs=cuda_graphs, fresh=fresh)
     prefill(models, drafter, inputs)
     before = ic_passes.match_counts()
-    graphs0 = counters["stats"]["unique_graphs"]
-    step = step_fn(drafter, inputs)
     with generated_code() as code:
-        t0 = time.perf_counter()
-        step()
+        start = time.perf_counter()
+        step_fn(drafter, inputs)()
         if models.device.type == "cuda":
             torch.cuda.synchronize()
-        first = time.perf_counter() - t0
+        first = time.perf_counter() - start
     after = ic_passes.match_counts()
-    return CompiledVariant(drafter, first, kernel_summary(code), {k: after[k] - before.get(k, 0) for k in after},
-                           counters["stats"]["unique_graphs"] - graphs0)
+    return CompiledVariant(drafter, first, kernel_summary(code), {k: after[k] - before.get(k, 0) for k in after})
 
-
-# ------------------------------------------------------------------------------------------------------- the peer
 
 class HFStep:
-    """transformers' own draft step: ``forward_layer(0)`` + ``_project_to_logits`` + argmax, as its
-    ``MTPCandidateGenerator`` drives it (``MtpCache`` with past recording, token positions = row + 1).
-
-    With one MTP depth ``generate`` never crops the draft cache, so it keeps the whole history (sliding layers
-    included); the rollback after each timed call restores the depth-0 cache layer's state from right after the
-    prefill (its update assigns new tensors, so a shallow snapshot is enough), keeping that history and the context
-    constant.
-    """
+    """transformers' own draft step as its ``MTPCandidateGenerator`` drives it: ``forward_layer(0)`` +
+    ``_project_to_logits`` + argmax over an ``MtpCache``. Each call first puts the depth-0 cache layer back to its
+    state right after the prefill (a shallow copy of its attributes: microseconds), so the context stays fixed."""
 
     def __init__(self, models: Models, inputs: StepInputs):
-        from transformers.cache_utils import MtpCache
-
-        self.mtp = models.hf_mtp
+        self.mtp, self.inputs = models.hf_mtp, inputs
         self.cache = MtpCache(config=models.target.config.get_mtp_config())
         self.cache.activate_past_recording()
-        self.inputs = inputs
         with torch.no_grad():
             self.mtp.forward_layer(0, inputs.prefill_hidden, inputs.prefill_positions + 1, self.cache,
                                    input_ids=inputs.prefill_ids)
         self.layer = self.cache.layers[0]
-        self._snapshot = self._state()
-        self.length = self.cache.get_seq_length(0)
-
-    def _state(self) -> dict:
-        return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
-                for k, v in self.layer.__dict__.items()}
+        self.snapshot = dict(self.layer.__dict__)
 
     def __call__(self):
+        self.layer.__dict__.update({k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+                                    for k, v in self.snapshot.items()})
         x = self.inputs
         out = self.mtp.forward_layer(0, x.hidden, x.positions + 1, self.cache, input_ids=x.ids)
         return self.mtp._project_to_logits(out[:, -1:]).argmax(-1)
 
-    def rollback(self):
-        """Untimed: back to the state right after the prefill, so every call runs at the same context."""
-        self.layer.__dict__.update(self._state_copy())
-
-    def _state_copy(self) -> dict:
-        return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
-                for k, v in self._snapshot.items()}
-
-
-# ------------------------------------------------------------------------------------------------------- bytes
 
 def step_bytes(models: Models, batch: int, context: int) -> dict:
-    """Bytes one depth-0 step must read at least: depth-0 weights, the LM head rows that are real logits, the
-    embedding rows and backbone embed_norm, the K/V of the positions the query can see (the window on a sliding
-    depth), and the short-conv taps. Writes (one row of K/V and conv inputs) are not counted."""
+    """Bytes one depth-0 step must read at least: depth-0 weights, the real LM-head rows, embedding rows and
+    embed_norm, the visible K/V, the short-conv taps (writes not counted)."""
     c, mtp = models.config, models.mtp
-    g = c.depths[0]
-    item = models.dtype.itemsize
-    layer = sum(torchao_schemes.nbytes(p) for p in mtp.layers[0].parameters())  # a torchao weight's stored bytes
+    g, item = c.depths[0], models.dtype.itemsize
+    layer = sum(torchao_schemes.nbytes(p) for p in mtp.layers[0].parameters())
     head = c.logits_vocab_size * c.hidden_size * item
     embed = batch * c.hidden_size * item + (c.hidden_size * item if mtp.embed_norm_weight is not None else 0)
     visible = context + 1 if g.window is None else min(context + 1, g.window)
     kv = 2 * batch * visible * g.num_kv_heads * g.head_dim * item
     conv = batch * (c.conv_kernel_size - 1) * (2 * g.num_kv_heads * g.head_dim + 2 * c.hidden_size) * item
-    total = layer + head + embed + kv + conv
     return {"weights": layer, "lm_head": head, "embedding": embed, "kv_cache": kv, "conv_state": conv,
-            "total": total}
+            "total": layer + head + embed + kv + conv}
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted), median of ``iters`` CUDA-event timings."""
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), median of CUDA-event timings."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    del src, dst
-    return 2 * nbytes / times[len(times) // 2]
+    seconds = Stats.of(samples_ms(lambda: dst.copy_(src), device, 0.5)).median_ms / 1e3
+    return 2 * nbytes / seconds
 
 
 def gemm_floor(models: Models, eager: Drafter, inputs: StepInputs) -> tuple[GemmFloor, list[dict]]:
-    """Record the eager step's GEMMs and build their replay."""
+    """The eager step's GEMMs recorded and replayed alone, and their summary."""
     gemms, _ = record_gemms(step_fn(eager, inputs), models.mtp.parameters())
     return GemmFloor(gemms, models.device), summarize(gemms)
+
+
+# ------------------------------------------------------------------------------------------------ the section
+
+@dataclass
+class StepLatency:
+    """One batch size: every variant's :class:`Stats` and the ratios between them."""
+
+    batch: int
+    context: int
+    variants: dict[str, Stats] = field(default_factory=dict)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+    gemms: list[dict] | None = None
+    gemm_calls: int | None = None
+    step_bytes: dict | None = None
+    bandwidth: dict | None = None
+    first_call_s: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Latency:
+    batches: dict[str, StepLatency] = field(default_factory=dict)
+    kernels: dict | None = None  # generated code stock vs with passes (the first batch size, --full)
+
+
+def measure(ctx: Context) -> Latency:
+    s, models = ctx.settings, ctx.models()
+    copy_bw = copy_bandwidth(models.device) if models.device.type == "cuda" else None
+    record = Latency()
+    for i, batch in enumerate(s.batch_sizes):
+        kernels = {} if i == 0 and s.runs("kernels") and s.runs("compiled") else None
+        record.batches[str(batch)] = _batch(ctx, models, batch, copy_bw, kernels, record)
+        record.kernels = record.kernels or kernels
+        ctx.publish(record)
+    return record
+
+
+def _batch(ctx: Context, models: Models, batch: int, copy_bw: float | None, kernels: dict | None,
+           record: Latency) -> StepLatency:
+    """The variants without CUDA graphs timed and published first; then the CUDA-graph variant, when it builds,
+    timed again with all the others, so one entry's figures always come from one interleaved run."""
+    s, tag = ctx.settings, f"{models.preset} b{batch}"
+    entry = StepLatency(batch, s.context)
+    inputs = make_inputs(models, batch, s.context)
+    eager = make_drafter(models, batch, s.max_length, compile=False)
+    prefill(models, eager, inputs)
+    variants = {"eager": step_fn(eager, inputs)}
+
+    def attempt(name, build):
+        try:
+            return build()
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+            progress(f"{tag}: {name} FAILED: {type(e).__name__}: {e}")
+            entry.errors[name] = f"{type(e).__name__}: {e}"[:1000]
+            return None
+
+    def compiled(name, passes, graphs=False):
+        progress(f"{tag}: compiling {name}")
+        built = attempt(name, lambda: build_compiled(models, inputs, s.max_length, passes=passes, cuda_graphs=graphs,
+                                                     fresh=kernels is not None))
+        if built is not None:
+            variants[name], entry.first_call_s[name] = step_fn(built.drafter, inputs), built.first_call_s
+            if kernels is not None and not graphs:
+                side = "passes" if passes else "no_passes"
+                kernels[side], kernels[f"matches_{side}"] = built.kernels, built.matches
+        return built
+
+    if s.runs("compiled"):
+        if s.runs("stock"):
+            compiled("compiled_nopasses", False)
+        built = compiled("compiled", True)
+        if built is not None and models.device.type == "cpu":
+            variants["compiled_call"] = built.drafter.static_step(*inputs.positions.shape)
+    _references(s, models, eager, inputs, variants, entry, attempt)
+    entry.step_bytes = step_bytes(models, batch, s.context)
+    graphs_next = models.device.type == "cuda" and s.runs("compiled") and s.runs("cudagraph")
+    budget = s.time_budget / 2 if graphs_next else s.time_budget
+    _time(entry, variants, models.device, budget, copy_bw, tag)
+    if graphs_next:
+        record.batches[str(batch)] = entry
+        ctx.publish(record)
+        if compiled("cudagraph", True, graphs=True) is not None:
+            _time(entry, variants, models.device, budget, copy_bw, tag)
+    return entry
+
+
+def _references(s, models: Models, eager: Drafter, inputs: StepInputs, variants: dict, entry: StepLatency,
+                attempt) -> None:
+    """transformers' step and the GEMM floor beside ours (each may fail on its own)."""
+    if models.hf_mtp is not None and s.runs("peer"):
+        hf = attempt("hf_eager", lambda: HFStep(models, inputs))
+        if hf is not None:
+            variants["hf_eager"] = hf
+    if s.runs("floor"):
+        built = attempt("gemm_floor", lambda: gemm_floor(models, eager, inputs))
+        if built is not None:
+            variants["gemm_floor"], entry.gemms = built
+            entry.gemm_calls = sum(g["count"] for g in entry.gemms)
+
+
+def _time(entry: StepLatency, variants: dict, device: torch.device, budget: float, copy_bw: float | None,
+          tag: str) -> None:
+    progress(f"{tag}: timing {', '.join(variants)} ({budget:.0f} s)")
+    entry.variants = time_variants(variants, device=device, budget_s=budget)
+    med = {k: st.median_ms for k, st in entry.variants.items()}
+    ours = [k for k in med if k not in ("hf_eager", "gemm_floor")]
+    entry.ratios = {
+        "speedup_vs_peer": ratios(med, {k: ("hf_eager", k) for k in med if k != "gemm_floor"}),
+        "speedup_vs_eager": ratios(med, {k: ("eager", k) for k in med if k != "gemm_floor"}),
+        "x_floor": ratios(med, {k: (k, "gemm_floor") for k in med if k != "gemm_floor"})}
+    if copy_bw is not None:
+        floor_ms = entry.step_bytes["total"] / copy_bw * 1e3
+        entry.bandwidth = {"copy_gbps": copy_bw / 1e9, "step_bytes": entry.step_bytes["total"],
+                           "hbm_floor_ms": floor_ms, "achieved_fraction": {k: floor_ms / med[k] for k in ours},
+                           "x_hbm_floor": {k: med[k] / floor_ms for k in ours}}
+
+
+def lines(latency: dict) -> list[str]:
+    out = _kernel_lines(latency["kernels"]) if latency.get("kernels") else []
+    for lat in latency["batches"].values():
+        out += [""] + _latency_lines(lat)
+    return out
+
+
+def _latency_lines(lat: dict) -> list[str]:
+    v, r, bw = lat["variants"], lat["ratios"], lat.get("bandwidth")
+    rows = [[f"latency, batch {lat['batch']} (ms)", "median", "p10-p90", "vs peer", "vs eager", "x floor"]
+            + (["HBM frac"] if bw else [])]
+    for name, label in LABELS.items():
+        if name in v:
+            st = v[name]
+            label += f" [{lat['gemm_calls']} GEMMs]" if name == "gemm_floor" else ""
+            rows.append([label, ms(st["median_ms"]), f"{ms(st['p10_ms'])}-{ms(st['p90_ms'])}",
+                         *(fmt(r.get(key, {}).get(name), ".2f", "x") for key in ("speedup_vs_peer", "speedup_vs_eager",
+                                                                                 "x_floor"))]
+                        + ([fmt(bw["achieved_fraction"].get(name), ".0%")] if bw else []))
+    out = table(rows)
+    out.append("  vs peer / vs eager: times faster than transformers' step / our eager step; x floor: times the "
+               "GEMM-only floor")
+    if "compiled_call" in v:
+        out.append("  'graph call only' = the compiled function on the Drafter's static buffers, without "
+                   "Drafter.draft's copies / clones")
+    out += [f"  {name}: FAILED: {msg}" for name, msg in lat["errors"].items()]
+    if bw:
+        out.append(f"  step must read {bw['step_bytes'] / 1e6:.1f} MB; copy bandwidth {bw['copy_gbps']:.0f} GB/s -> "
+                   f"HBM floor {ms(bw['hbm_floor_ms'])} ms")
+    return out
+
+
+def _kernel_lines(k: dict) -> list[str]:
+    stock, ours = k.get("no_passes") or {}, k.get("passes") or {}
+
+    def matches(m):
+        return ", ".join(f"{n} {c}" for n, c in m.items() if c) or "none"
+
+    rows = [["generated code of the compiled step", "stock", "+ passes"]]
+    for label, key in (("kernels (cpp_fused_ / triton)", "kernels"), ("CPU loop nests (passes over memory)",
+                       "loop_nests"), ("kernel launches", "kernel_launches"),
+                       ("launches (kernels + extern)", "launches")):
+        rows.append([label, str(stock.get(key, "-")), str(ours.get(key, "-"))])
+    rows.append(["extern calls", *(f"{d['extern_calls']} ({', '.join(d['extern_ops'])})" if d else "-"
+                                   for d in (stock, ours))])
+    rows.append(["pass matches", matches(k.get("matches_no_passes") or {}) if stock else "-",
+                 matches(k.get("matches_passes") or {}) if ours else "-"])
+    return table(rows)

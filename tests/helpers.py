@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 import torch
-from transformers import InklingTextConfig
+from transformers import InklingForCausalLM, InklingTextConfig
 
 from inkling_compiled import InklingMTP, MTPConfig
 from inkling_compiled.testing.synthetic import load_hf_mtp, load_hf_target, randomize_
@@ -58,3 +58,19 @@ def draft_rows(mtp: InklingMTP, batch: int = 2, length: int = 3, seed: int = 0):
     previous = torch.randn(batch, length, mtp.config.hidden_size, generator=g).to(mtp.dtype)
     return ids, positions, previous
 
+
+PAD = 0  # the speculative tests' pad token id
+
+
+def make_target(*, vocab=128, unpadded=120, hidden=64, mlp=("dense", "sparse"), seed=0, init=0.2, mup=2.0):
+    """A tiny random transformers ``InklingForCausalLM`` target (fp32, eager attention, sliding window 8)."""
+    torch.manual_seed(seed)
+    config = InklingTextConfig(
+        vocab_size=vocab, unpadded_vocab_size=unpadded, hidden_size=hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
+        swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, d_rel=4, rel_extent=16,
+        local_layer_ids=[0], mlp_layer_types=list(mlp), intermediate_size=128, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, logits_mup_width_multiplier=mup,
+        initializer_range=init, eos_token_id=None, bos_token_id=None, pad_token_id=PAD,
+        attn_implementation="eager")
+    return InklingForCausalLM(config).eval().requires_grad_(False)

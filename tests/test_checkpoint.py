@@ -26,6 +26,8 @@ from inkling_compiled.checkpoint.target import same_device
 from inkling_compiled.testing import synthetic as S
 from tests.helpers import random_mtp, tiny_text_config
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 SHARED = set(C.SHARED_RAW_KEYS)
 W13 = "transformer_block.mlp.w13_dn.weight"
 

@@ -15,6 +15,8 @@ from inkling_compiled.config import FIELD_RULES, logits_vocab_size, read_config_
 from inkling_compiled.testing import synthetic as S
 from tests.helpers import tiny_text_config
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 
 def _mm(**overrides) -> InklingConfig:
     return InklingConfig.from_dict(S.tiny_config(**overrides))

@@ -17,6 +17,8 @@ from inkling_compiled import hf_compat
 from inkling_compiled.runtime import speculative
 from tests.helpers import randomize_, tiny_text_config
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,5 +1,6 @@
-"""How the package's modules depend on each other: no import cycles (read statically from every module's imports,
-function-level ones included), and ``import inkling_compiled`` loads no training, testing or benchmark code."""
+"""How the package's and the benchmark's modules depend on each other: no import cycles (read statically from every
+module's imports, function-level ones included), and ``import inkling_compiled`` loads no training, testing or
+benchmark code."""
 
 import ast
 import json
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE = REPO / "inkling_compiled"
+SCANNED = (REPO / "inkling_compiled", REPO / "bench")
 
 
 def _module_name(path: Path) -> str:
@@ -18,7 +19,7 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {_module_name(p): p for root in SCANNED for p in sorted(root.rglob("*.py"))}
 
 
 def _imported(module: str, path: Path, known: set[str]) -> set[str]:
@@ -69,11 +70,13 @@ def test_the_import_graph_is_read_correctly():
     assert "inkling_compiled.model.mtp" in graph["inkling_compiled.runtime.drafter"]  # `from ..model.mtp import`
     assert "inkling_compiled.passes" in graph["inkling_compiled"]  # `from . import passes`
     assert "inkling_compiled.training.distill" in graph["inkling_compiled.generate"]  # a function-level import
+    assert {"bench.harness", "bench.step"} <= graph["bench.packaged"]  # `from . import step as S`, `from .harness`
+    assert "inkling_compiled.runtime" in graph["bench.probes"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-def test_the_package_has_no_import_cycles():
+def test_the_package_and_the_benchmark_have_no_import_cycles():
     modules = _modules()
     graph = {m: _imported(m, p, set(modules)) for m, p in modules.items()}
     cycle = _cycle(graph)

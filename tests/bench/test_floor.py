@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bench.floor import GemmFloor, record_gemms, summarize
-from bench.timing import measure
+from bench.harness import time_variants
 from inkling_compiled.runtime import Drafter
 from tests.helpers import random_mtp
 
@@ -77,7 +77,7 @@ def test_floor_replays_the_same_ops_shapes_and_strides(recorded):
 
 def test_floor_is_below_the_step(recorded):
     _, gemms, _, step = recorded
-    stats = measure({"step": step, "floor": GemmFloor(gemms, "cpu")}, warmup=2, rounds=3, per_round=5)
+    stats = time_variants({"step": step, "floor": GemmFloor(gemms, "cpu")}, device=torch.device("cpu"), budget_s=0.6)
     assert 0 < stats["floor"].median_ms < stats["step"].median_ms
 
 

@@ -1,12 +1,12 @@
 """The K sweep (``bench.ksweep``, the benchmark's depths section): pooled acceptance figures, transformers' rounds
 per position, the lockstep batch, and a whole sweep on the reduced text target (eager drafters) whose record
-conforms to ``bench/records.py`` and whose tokens equal the target's."""
+is the section's dataclass and whose tokens equal the target's."""
 
 import pytest
 import torch
 
-from bench.ksweep import KSweepConfig, _acceptance, format_lines, hf_acceptance, left_padded_batch, run_ksweep
-from bench.records import Depths, problems
+from bench.harness import plain
+from bench.ksweep import Depths, KSweepConfig, hf_acceptance, left_padded_batch, lines, pooled_acceptance, run_ksweep
 from inkling_compiled.runtime import SpeculativeOutput
 from inkling_compiled.training import text_target as T
 
@@ -22,7 +22,7 @@ def output(per_round, emitted, rows=1, k=3):
 def test_pooled_acceptance_per_position_and_lengths():
     batch1 = output([[1, 1, 0], [0, 0, 0], [1, 1, 1]], [3, 1, 4])
     batch2 = output([[2, 1, 0]], [4], rows=2)  # per row: one row accepted 2 drafts (3 tokens), the other 0 (1)
-    pooled = _acceptance([batch1, batch2])
+    pooled = pooled_acceptance([batch1, batch2])
     assert pooled["acceptance_per_position"] == [4 / 5, 3 / 5, 1 / 5]
     assert pooled["mean_accepted_length"] == 12 / 5 and pooled["rounds"] == 4  # tokens per (row, round)
     assert abs(pooled["per_sequence_accepted_length"] - (1 + 8 / 5)) < 1e-12
@@ -44,10 +44,10 @@ def test_left_padded_batch_pads_each_row_more():
 def test_sweep_on_the_reduced_text_target(tmp_path):
     built = T.build(T.REDUCED, root=tmp_path, progress=False)
     prompts = T.heldout_prompts(4, 12)
-    cfg = KSweepConfig(ks=(1, 2, 16), prompts=2, new_tokens=8, latency_rounds=3, cold_compile=False,
-                       compiled=False)
-    result = run_ksweep(built, cfg, prompts=prompts)
-    assert problems(result, Depths) == []
+    cfg = KSweepConfig(ks=(1, 2, 16), prompts=2, new_tokens=8, round_seconds=0.05, compiled=False)
+    record = run_ksweep(built, cfg, prompts=prompts)
+    assert isinstance(record, Depths)
+    result = plain(record)
     assert list(result["ours"]) == ["1", "2"]  # K = 16 is beyond the 8 depths
     assert (result["prompts"], result["prompt_len"], result["hf_mtp"]["k"]) == (2, 12, 8)
     for point in [*result["ours"].values(), result["hf_mtp"]]:
@@ -57,9 +57,9 @@ def test_sweep_on_the_reduced_text_target(tmp_path):
     for point in result["ours"].values():
         assert point["batch4"]["outputs_match_target"] is True and point["batch4"]["compiled"] is False
         assert point["batch4"]["mean_accepted_length"] <= point["batch4"]["per_sequence_accepted_length"]
-        assert list(point["draft_round_ms"]) == ["1"] and point["draft_round_ms"]["1"]["n"] == 3
+        assert list(point["draft_round_ms"]) == ["1"] and point["draft_round_ms"]["1"]["n"] >= 1
         assert point["speedup_vs_hf_mtp"] > 0 and point["cold_compile"] is None
-    lines = format_lines(result)
-    assert len(lines) == 2 + 3 + 3  # header, baselines; 2 rows under each of the two headings
+    table = lines(result)
+    assert len(table) == 2 + 3 + 3 + 1  # header, baselines; 2 rows under each of the two headings; a note
     with pytest.raises(ValueError, match=r"none of K = \(16,\) fits the checkpoint's 8 MTP depth"):
         run_ksweep(built, KSweepConfig(ks=(16,)), prompts=prompts)

@@ -1,4 +1,4 @@
-"""The report image: drawn from a small synthetic result that conforms to ``bench/records.py``, a valid PNG of the
+"""The report image: drawn from a small synthetic result holding every section a run writes, a valid PNG of the
 size its layout gives, panels left out for the sections a run did not produce, and a benchmark run that ends with
 the image's path (or, without matplotlib, with how to get it)."""
 
@@ -9,8 +9,10 @@ import struct
 
 import pytest
 
+from bench import e2e as e2e_section
 from bench import plots, report, run
-from bench.records import SCHEMA_ID, problems
+
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -44,22 +46,27 @@ def latency(batch: int) -> dict:
             "errors": {}}
 
 
-def method(tokens_per_s: float, acceptance: float | None, tokens_per_round: float | None) -> dict:
-    return {"tokens_per_s": tokens_per_s, "ms_per_token": 1e3 / tokens_per_s, "new_tokens": 16,
+def method(tokens_per_s: float, acceptance: float | None, tokens_per_round: float | None, k: int | None = 1) -> dict:
+    return {"k": k, "tokens_per_s": tokens_per_s, "ms_per_token": 1e3 / tokens_per_s, "new_tokens": 16,
             "seconds": 16 / tokens_per_s, "warmup_s": 0.1, "acceptance": acceptance, "drafted": 10, "accepted": 5,
             "rounds": 10, "tokens_per_round": tokens_per_round, "outputs_match_target": True,
             "speedup_vs_target": tokens_per_s / 50.0}
 
 
 def depth_point(k: int, per_position: list[float], rounds_ms: dict[str, dict] | None = None) -> dict:
-    return {"k": k, "tokens_per_s": 50.0 + 10 * k, "speedup_vs_target": 1 + k / 5, "mean_accepted_length":
-            1 + sum(per_position), "acceptance_per_position": per_position, "outputs_match_target": True,
-            "draft_round_ms": rounds_ms if rounds_ms is not None else {"1": stats(0.3 * k), "4": stats(0.5 * k)},
-            "compile_s": 5.0 + k}
+    rounds = rounds_ms if rounds_ms is not None else {"1": stats(0.3 * k), "4": stats(0.5 * k)}
+    return {"k": k, "tokens_per_s": 50.0 + 10 * k, "speedup_vs_target": 1 + k / 5, "speedup_vs_hf_mtp": 1.5,
+            "mean_accepted_length": 1 + sum(per_position), "acceptance_per_position": per_position,
+            "outputs_match_target": True, "draft_round_ms": rounds,
+            "draft_round_cpu_ms": {b: r["median_ms"] for b, r in rounds.items()},
+            "draft_round_all_accepted_ms": stats(0.4 * k), "compile_s": 5.0 + k, "cold_compile": None,
+            "batch4": {"compiled": False, "tokens_per_s": 100.0, "speedup_vs_target": 1.1, "mean_accepted_length":
+                       1.5, "acceptance_per_position": per_position, "per_sequence_accepted_length": 1.6,
+                       "outputs_match_target": True}}
 
 
 def packaged_run():
-    """A records.Packaged of bench.packaged.run_packaged: the package's start-up probe and two latency variants."""
+    """A ``bench.packaged.Packaged``: the package's start-up probe and two latency variants."""
     startup = {"mode": "package", "import_s": 2.3, "model_s": 0.2, "ready_s": 0.05, "prefill_s": 0.01,
                "first_draft_s": 0.01, "to_first_draft_s": 2.8, "process_s": 2.9, "fxgraph_cache_hit": 0,
                "fxgraph_cache_miss": 0, "dynamo_graphs": 0, "packaged_buckets": 1}
@@ -75,9 +82,9 @@ def packaged_run():
 def synthetic_result() -> dict:
     """Every section a run can write, with made-up figures."""
     e2e_methods = {"target": method(50.0, None, None), "target_loop": method(55.0, None, None),
-                   "hf_mtp": method(30.0, 0.4375, 1.875), "ours_eager": method(45.0, 0.5, 1.5),
-                   "ours_compiled": method(60.0, 0.5, 1.5)}
-    e2e_methods["target"]["outputs_match_target"] = None
+                   "hf_mtp": method(30.0, 0.4375, 1.875, None), "ours_eager": method(45.0, 0.5, 1.5),
+                   "ours_compiled_k1": method(60.0, 0.5, 1.5), "ours_compiled_k8": method(90.0, 0.4, 3.0, 8)}
+    e2e_methods["target"].update(outputs_match_target=None, k=None)
     model = {"preset": "tiny", "weights": "checkpoint", "checkpoint": "/ckpt", "device": "cpu", "dtype": "float32",
              "hidden_size": 64, "vocab_size": 512, "logits_vocab_size": 500, "intermediate_size": 128,
              "depth0": {"sliding": True, "heads": 2, "kv_heads": 2, "head_dim": 32, "window": 8, "rel_extent": 8},
@@ -88,8 +95,8 @@ def synthetic_result() -> dict:
                                             ("int8_depths", 0.035, 150_000), ("int8_depths_head", 0.02, 100_000))},
              "errors": {}}
     result = {
-        "schema": SCHEMA_ID, "command": "python -m bench.run --quick", "date": "2026-12-01T00:00:00+00:00",
-        "wall_s": 60.0, "partial": False, "completed": ["tiny/models", "tiny/compile", "tiny", "e2e"],
+        "schema": run.SCHEMA_ID, "command": "python -m bench run --quick", "date": "2026-12-01T00:00:00+00:00",
+        "wall_s": 60.0, "partial": False, "completed": ["tiny/compile", "e2e"],
         "machine": {"cpu": "test CPU", "cores": 2, "gpu": None, "torch": "2.13.0", "transformers": "5.24.0",
                     "python": "3.11.7", "threads": 1, "platform": "linux", "triton": None},
         "settings": {"configs": ["tiny"], "device": "cpu", "dtype": "float32", "batch_sizes": [1, 4], "context": 64,
@@ -97,13 +104,13 @@ def synthetic_result() -> dict:
         "configs": {"tiny": {"model": model,
                              "compile": {"batch": 1, "cold": probe(15.0, False), "warm": probe(2.5, True),
                                          "warm_cache_hit": True, "error": None},
-                             "kernels": None, "latency": {"1": latency(1), "4": latency(4)},
+                             "latency": {"batches": {"1": latency(1), "4": latency(4)}, "kernels": None},
                              "packaged": packaged_run(),
                              "quant": quant}},
-        "e2e": {"checkpoint": "/ckpt", "device": "cpu", "prompts": 1, "prompt_len": 8, "new_tokens": 16,
+        "e2e": {"target": "distilled tiny", "checkpoint": "/ckpt", "prompts": 1, "prompt_len": 8, "new_tokens": 16,
                 "methods": e2e_methods, "hf_mtp_depths": 2, "distill": None},
-        "depths": {"checkpoint": "/ckpt8", "device": "cpu", "prompts": 1, "new_tokens": 16,
-                   "target_tokens_per_s": 50.0,
+        "depths": {"target": "distilled tiny8", "checkpoint": "/ckpt8", "prompts": 1, "prompt_len": 8,
+                   "new_tokens": 16, "target_tokens_per_s": 50.0, "batch4_target_tokens_per_s": 90.0,
                    "ours": {"1": depth_point(1, [0.6]), "2": depth_point(2, [0.6, 0.4]),
                             "4": depth_point(4, [0.6, 0.4, 0.3, 0.2])},
                    "hf_mtp": depth_point(2, [0.5, 0.3], rounds_ms={})},
@@ -116,8 +123,12 @@ def synthetic_result() -> dict:
 ALL_PANELS = 7  # step latency, acceptance per position, accepted length, tokens/s, draft round, start-up, quant
 
 
-def test_the_synthetic_result_conforms_to_the_records():
-    assert problems(synthetic_result()) == []
+def test_the_synthetic_result_prints_as_a_run_would():
+    """Every section's table reads the made-up records (the keys a run writes) and the headline lists them."""
+    table = run.format_table(synthetic_result())
+    for line in ("compile (draft step, fresh process)", "latency, batch 4 (ms)", "quantized step, batch 1 (ms)",
+                 "start-up package", "end to end K = 8, tok/s", "K sweep (distilled tiny8", "tiny draft step, ms"):
+        assert line in table, line
 
 
 def test_report_is_a_png_of_the_layouts_size(tmp_path):
@@ -165,7 +176,6 @@ def _with(result: dict, changes: dict) -> dict:
 ])
 def test_each_missing_or_failed_section_loses_exactly_its_panels(changes, left_out, panels):
     result = _with(synthetic_result(), changes)
-    assert problems(result) == []  # a result a run can write
     drawn, missing = plots.plan(result)
     assert missing == left_out and len(drawn) == panels
 
@@ -190,8 +200,8 @@ def test_the_k_panels_read_the_sweep_else_todays_e2e():
     del result["depths"]
     sw = plots.sweep(result)
     assert sw.source == "e2e section" and sw.draft_round_ms == {}
-    assert sw.points == [plots.SweepPoint("ours, compiled drafter", 1, 1.2, 1.5, [0.5]),
-                         plots.SweepPoint("ours, eager drafter", 1, 0.9, 1.5, [0.5]),
+    assert sw.points == [plots.SweepPoint("ours, eager drafter", 1, 0.9, 1.5, [0.5]),
+                         plots.SweepPoint("ours", 1, 1.2, 1.5, [0.5]), plots.SweepPoint("ours", 8, 1.8, 3.0, None),
                          plots.SweepPoint("transformers generate(use_mtp=True)", 2, 0.6, 1.875, None)]
     assert sw.baselines == {"target alone, minimal greedy loop": 1.1}
 
@@ -217,46 +227,50 @@ def _hide_matplotlib(monkeypatch):
 @pytest.mark.parametrize("has_matplotlib", [True, False])
 def test_the_benchmark_ends_with_the_reports_path_or_how_to_get_it(has_matplotlib, tmp_path, monkeypatch, capsys):
     e2e = synthetic_result()["e2e"]
-    monkeypatch.setattr(run, "e2e_section", lambda settings: e2e)
+    monkeypatch.setattr(e2e_section, "measure", lambda ctx: e2e)
     if not has_matplotlib:
         _hide_matplotlib(monkeypatch)
     json_path = tmp_path / "result.json"
-    run.run(["--skip", "compile,latency,depths,perrow,packaged", "--json", str(json_path)])
+    run.run(["--only", "e2e", "--json", str(json_path)])
     last = capsys.readouterr().out.splitlines()[-1]
     if has_matplotlib:
         assert last == f"report: {tmp_path / 'result.png'}"
         assert png_size(tmp_path / "result.png") == plots.figure_size(3)  # acceptance, accepted length, tokens/s
     else:
         assert last == plots.MISSING_HINT.format(json=json_path)
-        assert "pip install -e '.[plots]'" in last and f"python -m bench.report {json_path}" in last
+        assert "pip install -e '.[plots]'" in last and f"python -m bench report {json_path}" in last
         assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
 
 
 def test_report_command_redraws_a_saved_result(tmp_path, capsys):
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps(synthetic_result()))
-    assert report.main([str(saved), "--out", str(tmp_path / "again.png")]) == 0
-    assert capsys.readouterr().out == f"{tmp_path / 'again.png'}\n"
+    assert run.main(["report", str(saved), "--out", str(tmp_path / "again.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{saved}: complete") and out.endswith(f"{tmp_path / 'again.png'}\n")
     assert png_size(tmp_path / "again.png") == plots.figure_size(ALL_PANELS)
+
+
+def report_(path, *args):
+    return run.main(["report", str(path), *args])
 
 
 def test_report_command_names_what_is_wrong(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no-such.json: no such file"):
-        report.main([str(tmp_path / "no-such.json")])
+        report_(tmp_path / "no-such.json")
     (tmp_path / "garbled.json").write_text("{")
     with pytest.raises(SystemExit, match="garbled.json: not a readable JSON file"):
-        report.main([str(tmp_path / "garbled.json")])
+        report_(tmp_path / "garbled.json")
     old = synthetic_result()
-    del old["machine"]["cpu"]
     old["schema"] = "inkling-bench/1"
     (tmp_path / "old.json").write_text(json.dumps(old))
-    with pytest.raises(SystemExit, match=r"its schema: 'inkling-bench/1'.*\$\.machine: missing key 'cpu'"):
-        report.main([str(tmp_path / "old.json")])
+    with pytest.raises(SystemExit, match=r"not a `python -m bench run` result of schema .* 'inkling-bench/1'"):
+        report_(tmp_path / "old.json")
     (tmp_path / "good.json").write_text(json.dumps(synthetic_result()))
     with pytest.raises(SystemExit, match=r"cannot write .*good.json/report.png: .*; choose another place with --out"):
-        report.main([str(tmp_path / "good.json"), "--out", str(tmp_path / "good.json" / "report.png")])
+        report_(tmp_path / "good.json", "--out", str(tmp_path / "good.json" / "report.png"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["garbled.json", "good.json", "old.json"]
     _hide_matplotlib(monkeypatch)
     with pytest.raises(SystemExit, match=r"matplotlib is not installed.*pip install -e '\.\[plots\]'"):
-        report.main([str(tmp_path / "good.json")])
+        report_(tmp_path / "good.json")
     assert not (tmp_path / "good.png").exists()

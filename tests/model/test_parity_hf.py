@@ -14,6 +14,8 @@ from inkling_compiled import InklingMTP, MTPConfig
 from inkling_compiled.testing.synthetic import randomize_
 from tests.helpers import tiny_text_config
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 # transformers MtpLayer / InklingDecoderLayer name -> InklingMTP name (per depth)
 HF_TO_OURS = {
     "hnorm.weight": "hidden_norm.weight",

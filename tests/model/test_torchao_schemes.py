@@ -16,6 +16,8 @@ from inkling_compiled.model import torchao_schemes
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
 from tests.helpers import draft_rows, random_mtp
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 BF16 = torch.bfloat16
 ao = torchao_schemes.import_quantization()
 

@@ -23,6 +23,7 @@ def _rows(mtp, dtype, batch=2, length=5, seed=0):
     return ids, positions, previous
 
 
+@pytest.mark.floor  # make test-floor: one compile of the real step with both passes, on the lowest torch
 def test_ids_step_and_top_tokens_fp32(checkpoint):
     mtp = InklingMTP.from_pretrained(checkpoint, dtype=torch.float32)
     ids, positions, previous = _rows(mtp, torch.float32)

@@ -7,7 +7,7 @@ from inkling_compiled import InklingMTP, passes
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
 from inkling_compiled.training.distill import distill
-from tests.runtime.test_speculative import make_target
+from tests.helpers import make_target
 
 K8_MAX_BATCH, K8_MAX_LENGTH = 4, 640
 

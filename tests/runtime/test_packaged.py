@@ -19,6 +19,8 @@ from inkling_compiled.runtime import Drafter, PackageError, PackageMismatch, pac
 from inkling_compiled.testing.kernel_stats import aoti_package_sources, aoti_package_stats
 from tests.helpers import random_mtp, tiny_text_config
 
+pytestmark = pytest.mark.slow  # AOTInductor compiles shared by the module: minutes on 2 cores; CI runs them
+
 BATCH, MAX_LENGTH, VOCAB, H = 2, 192, 250, 64
 DEPTHS = dict(num_mtp_layers=3, mtp_local_layer_ids=[0, 2])  # depth 1 full attention, depths 0 and 2 sliding
 ROUNDS = 64

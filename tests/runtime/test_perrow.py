@@ -18,6 +18,8 @@ from inkling_compiled.runtime.speculative import speculative_generate
 from tests.runtime.test_speculative import left_pad, make_target, oracle_from, random_prompts
 from tests.runtime.test_speculative_depths import KStandInDrafter, check_statistics
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 
 def per_row_wrong(b, p):
     """Row 0: every draft right; row 1: every draft wrong; others: wrong at a row-dependent share of positions."""

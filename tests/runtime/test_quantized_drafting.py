@@ -65,7 +65,9 @@ def test_int8_drafts_agree_with_bf16_drafts(distilled, target):
             assert abs(accuracy[0] - accuracy[1]) <= 0.02, (head, k)
 
 
-@pytest.mark.parametrize("scheme, k, compile", [("int8", 1, True), ("int8", 2, False), ("torchao", 1, True)])
+@pytest.mark.parametrize("scheme, k, compile", [pytest.param("int8", 1, True, marks=pytest.mark.slow),
+                                                ("int8", 2, False),
+                                                pytest.param("torchao", 1, True, marks=pytest.mark.slow)])
 def test_speculative_generation_with_an_int8_drafter_is_lossless(distilled, target, scheme, k, compile):
     """Quantization changes drafts only: the int8 drafter's generation equals the fp32 target's greedy one, compiled
     at K = 1 (two-token prompts make the prefill the 2-row decode shape: two compiled graphs in all) and with both
@@ -115,6 +117,7 @@ def test_fast_path_options_stay_inside_our_compile(distilled):
     assert _config_snapshot() == before
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_frozen_weights_of_one_depth_never_serve_another():
     """With freezing (the fast path) a depth's weights are compiled into its step's code, so two depths of one

@@ -14,31 +14,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache, InklingForCausalLM, InklingTextConfig
+from transformers import DynamicCache
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, DraftResult, speculative
 from inkling_compiled.runtime.speculative import speculative_generate, target_distribution
 from inkling_compiled.testing import synthetic
-from tests.helpers import random_mtp, tiny_text_config
+from tests.helpers import PAD, make_target, random_mtp, tiny_text_config
 
-PAD = 0
-
-
-def make_target(*, vocab=128, unpadded=120, hidden=64, mlp=("dense", "sparse"), seed=0, init=0.2, mup=2.0):
-    torch.manual_seed(seed)
-    config = InklingTextConfig(
-        vocab_size=vocab, unpadded_vocab_size=unpadded, hidden_size=hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
-        swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, d_rel=4, rel_extent=16,
-        local_layer_ids=[0], mlp_layer_types=list(mlp), intermediate_size=128, moe_intermediate_size=32,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, logits_mup_width_multiplier=mup,
-        initializer_range=init, eos_token_id=None, bos_token_id=None, pad_token_id=PAD,
-        attn_implementation="eager")
-    return InklingForCausalLM(config).eval().requires_grad_(False)
-
-
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
 
 
 # ------------------------------------------------------------------------------------------------ stand-in drafter

@@ -10,6 +10,8 @@ import torch
 
 from tests.helpers import both_libraries
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 
 @pytest.fixture(scope="module")
 def models(tiny_checkpoint):

@@ -15,6 +15,8 @@ from safetensors import safe_open
 import inkling_compiled.checkpoint as C
 from inkling_compiled.testing import synthetic as S
 
+pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:

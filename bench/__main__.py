@@ -1,0 +1,25 @@
+"""``python -m bench``: the one command line (:func:`bench.run.main`). A probe (a fresh process measuring its own
+start-up) imports only what it measures; a run first keeps dependency warnings that do not concern a benchmark user
+off the terminal."""
+
+import logging
+import sys
+import warnings
+
+if sys.argv[1:2] == ["probe"]:
+    from .harness import probe_main
+
+    sys.exit(probe_main(*sys.argv[2:4]))
+print("[bench] starting: importing torch and transformers", file=sys.stderr, flush=True)
+for category in (DeprecationWarning, FutureWarning):  # our code issues none: they are the dependencies' notes
+    warnings.filterwarnings("ignore", category=category)
+warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|torchao|transformers)(\.|$)")
+for name in ("torch._inductor", "torch.utils._pytree", "torchao"):  # torchao's optional kernels, its registrations
+    logging.getLogger(name).setLevel(logging.ERROR)
+from transformers.utils import logging as transformers_logging  # noqa: E402 - after the filters it installs
+
+transformers_logging.set_verbosity_error()
+transformers_logging.disable_progress_bar()
+from .run import main  # noqa: E402
+
+sys.exit(main())

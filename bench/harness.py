@@ -1,0 +1,241 @@
+"""What every section shares: progress lines, timing (``torch.utils.benchmark`` on CPU, ``triton.testing.do_bench``
+on CUDA), the one subprocess probe, JSON records and the table formatter."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils import benchmark
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+PROBE_PREFIX = "BENCH_PROBE: "
+_T0 = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    print(f"[bench {time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def cpu_seconds() -> float:
+    """User + system seconds of this process and its finished children (the C++ compilers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+@dataclass
+class Stats:
+    """One variant's per-call samples in milliseconds (on CPU each a mean over about half a millisecond of calls)."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    min_ms: float
+    n: int
+
+    @classmethod
+    def of(cls, samples_ms: list[float]) -> Stats:
+        if not samples_ms:
+            raise ValueError("no samples")
+        s = sorted(samples_ms)
+
+        def q(p: float) -> float:
+            return s[min(len(s) - 1, round(p * (len(s) - 1)))]
+
+        return cls(statistics.median(s), q(0.10), q(0.90), s[0], len(s))
+
+
+def samples_ms(fn: Callable[[], object], device: torch.device, seconds: float, timer=time.perf_counter) -> list[float]:
+    """Per-call milliseconds of ``fn`` over about ``seconds``: CUDA-event timings from ``do_bench`` on CUDA; on CPU
+    ``torch.utils.benchmark.Timer.timeit`` samples of about half a millisecond each (short enough that the median
+    skips what another process's time slice adds on a shared machine; ``timer``: ``time.thread_time`` for CPU
+    time)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return list(do_bench(fn, warmup=max(1, int(seconds * 100)), rep=max(1, int(seconds * 1e3)),
+                             return_mode="all"))
+    measure = benchmark.Timer("fn()", globals={"fn": fn}, timer=timer)
+    number = max(1, int(5e-4 / max(measure.timeit(1).times[0], 1e-7)))
+    found, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(found) < 3:
+        found.append(1e3 * measure.timeit(number).times[0])
+    return found
+
+
+def time_variants(variants: dict[str, Callable[[], object]], *, device: torch.device, budget_s: float,
+                  rounds: int = 3) -> dict[str, Stats]:
+    """Every variant timed in ``rounds`` rounds whose order rotates, so drift on a shared machine hits all alike."""
+    names, found = list(variants), {name: [] for name in variants}
+    share = budget_s / (rounds * len(names))
+    with torch.no_grad():
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                found[name] += samples_ms(variants[name], device, share)
+    return {name: Stats.of(s) for name, s in found.items()}
+
+
+def ratios(medians: dict[str, float], pairs: dict[str, tuple[str, str]]) -> dict[str, float]:
+    """``name -> medians[a] / medians[b]`` for each pair both of whose medians were measured."""
+    return {name: medians[a] / medians[b] for name, (a, b) in pairs.items() if a in medians and b in medians}
+
+
+# ------------------------------------------------------------------------------------------------ probes
+
+def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: float) -> dict:
+    """``bench.<function>(args)`` in a fresh interpreter (its own Inductor / Triton cache dir when given); the dict
+    it returns, with ``process_s`` (spawn to exit) added. ``args["spawned_at"]`` is the spawn's wall clock."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_DIR), os.environ.get("PYTHONPATH")]))}
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    if cache_dir is not None:
+        env.update(TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "bench", "probe", function,
+                           json.dumps({**args, "spawned_at": time.time()})],
+                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=timeout)
+    found = [line for line in done.stdout.splitlines() if line.startswith(PROBE_PREFIX)]
+    if done.returncode != 0 or not found:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-8:]
+        raise RuntimeError(f"probe {function} failed (exit {done.returncode}): " + " | ".join(tail))
+    return {**json.loads(found[-1][len(PROBE_PREFIX):]), "process_s": time.perf_counter() - start}
+
+
+def probe_main(function: str, args_json: str) -> int:
+    """The child's side of :func:`run_probe`: ``module.function`` under ``bench``."""
+    module, name = function.rsplit(".", 1)
+    result = getattr(importlib.import_module(f"bench.{module}"), name)(json.loads(args_json))
+    print(PROBE_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+def plain(record) -> object:
+    """A record (dataclasses, dicts, lists) as JSON-ready values."""
+    if dataclasses.is_dataclass(record):
+        return {f.name: plain(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    if isinstance(record, dict):
+        return {str(k): plain(v) for k, v in record.items()}
+    if isinstance(record, list | tuple):
+        return [plain(v) for v in record]
+    return record
+
+
+def write_json(path: Path, value) -> None:
+    """Whole or not at all: a run killed while writing leaves the previous copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(plain(value), indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+# ------------------------------------------------------------------------------------------------ tables
+
+def ms(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4f}" if x < 0.1 else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    """``x`` formatted, or "-" when not measured."""
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def yes(x: bool | None) -> str:
+    return "-" if x is None else "yes" if x else "NO"
+
+
+def table(rows: list[list[str]], indent: str = "") -> list[str]:
+    """Columns aligned: the first to the left, the others to the right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [(indent + "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])).rstrip()
+            for r in rows]
+
+
+# ------------------------------------------------------------------------------------------------ a run's settings
+
+# Parts of sections the default (headline) run leaves out; ``--full`` runs them
+FULL_ONLY = frozenset({"kernels", "stock", "depths", "kcompile", "perrow", "packaged_latency", "startup_compile",
+                       "e2e_eager", "target_loop"})
+# Sections a preset runs only when asked with --with (on tiny: one compile per scheme, for a step too small to
+# be memory-bound)
+OPT_IN = {"quant": frozenset({"tiny"})}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a run does, resolved once from the command line (:func:`bench.run.parse_args`)."""
+
+    configs: tuple[str, ...]
+    device: str
+    dtype: str
+    batch_sizes: tuple[int, ...]
+    context: int
+    max_length: int
+    weights: str | None
+    threads: int
+    skip: frozenset[str]
+    only: frozenset[str]
+    with_: frozenset[str]
+    full: bool
+    quick: bool
+    time_budget: float
+    recompile_steps: int
+    probe_timeout: float
+    e2e_prompts: int
+    e2e_tokens: int
+    e2e_target: str
+    e2e_ks: tuple[int, ...]
+    ks: tuple[int, ...]
+    k_seconds: float
+    full_sweep: bool
+    distill_steps: int | None
+    e2e_checkpoint: Path | None
+    json_path: Path
+    record: Path | None
+
+    def runs(self, part: str, preset: str | None = None) -> bool:
+        """Whether ``part`` (a section or a part of one) runs, for ``preset`` where that matters."""
+        if part in self.skip:
+            return False
+        if part in self.with_:
+            return True
+        return (self.full or part not in FULL_ONLY) and preset not in OPT_IN.get(part, ())
+
+    def summary(self) -> dict:
+        return {"configs": list(self.configs), "device": self.device, "dtype": self.dtype,
+                "batch_sizes": list(self.batch_sizes), "context": self.context, "max_length": self.max_length,
+                "threads": self.threads, "full": self.full, "quick": self.quick, "skip": sorted(self.skip),
+                "only": sorted(self.only), "opt_in": sorted(self.with_),
+                "e2e_target": str(self.e2e_checkpoint or self.e2e_target), "e2e_ks": list(self.e2e_ks),
+                "ks": list(self.ks), "full_sweep": self.full_sweep}
+
+
+@dataclass
+class Context:
+    """What a section's ``measure`` gets: the settings, the config it runs for (per-config sections), cached
+    models and end-to-end target, and ``publish`` to save a partial record before a risky step."""
+
+    settings: Settings
+    preset: str | None
+    models: Callable[[], object]
+    e2e_target: Callable[[], object]
+    publish: Callable[[object], None]

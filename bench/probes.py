@@ -1,0 +1,139 @@
+"""What runs in a fresh process (:func:`bench.harness.run_probe`): each function takes the JSON arguments and returns
+the figures. Only torch and the package are imported here, so a start-up probe loads what a serving process does."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch._dynamo.utils import compile_times, counters
+
+from inkling_compiled import InklingMTP
+from inkling_compiled import passes as ic_passes
+from inkling_compiled.runtime import Drafter
+
+from .harness import cpu_seconds
+
+
+def _times() -> dict[str, float]:
+    headers, values = compile_times(repr="csv", aggregate=True)
+    return {h: float(v) for h, v in zip(headers, values)}
+
+
+def split_compile_times(times: dict[str, float]) -> dict:
+    """Dynamo = ``_compile.compile_inner`` outside the backend call; backend = AOTAutograd + Inductor
+    (``OutputGraph.call_user_compiler``); inductor = ``compile_fx_inner`` (0 on a cache hit)."""
+    total = times.get("_compile.compile_inner", 0.0)
+    backend = times.get("OutputGraph.call_user_compiler", 0.0)
+    keep = ("bytecode_tracing", "compile_fx_inner", "GraphLowering.codegen", "compile_file", "async_compile.wait",
+            "PyCodeCache.load_by_key_path", "AOTAutogradCache.inductor_load", "build_guards")
+    return {"dynamo_total_s": total, "dynamo_s": max(0.0, total - backend), "backend_s": backend,
+            "inductor_s": times.get("compile_fx_inner", 0.0), "breakdown_s": {k: times[k] for k in keep if k in times}}
+
+
+def _rows(mtp: InklingMTP, batch: int, start: int, rows: int, gen: torch.Generator):
+    """Random rows start..start+rows-1 (real ids, unit-scale hiddens) on the model's device."""
+    ids = torch.randint(3, mtp.config.logits_vocab_size, (batch, rows), generator=gen)
+    positions = torch.arange(start, start + rows)[None].expand(batch, rows).contiguous()
+    hidden = torch.randn(batch, rows, mtp.config.hidden_size, generator=gen)
+    return ids.to(mtp.device), positions.to(mtp.device), hidden.to(device=mtp.device, dtype=mtp.dtype)
+
+
+def step_compile(args: dict) -> dict:
+    """Cold or warm (by the cache dir the parent gives) compile of the one-token draft step: the first call split
+    into Dynamo / backend, the FX graph cache counters, recompiles over ``steps`` steps at advancing positions and,
+    on CUDA, the CUDA-graph capture."""
+    from .models import load_checkpoint_models, load_models, parse_dtype  # the model builders: transformers' too
+    from .step import make_drafter, make_inputs, prefill, step_fn
+
+    import_s, start = time.time() - args["spawned_at"], time.perf_counter()
+    torch.set_num_threads(int(args["threads"]))
+    device, dtype = torch.device(args["device"]), parse_dtype(args["dtype"])
+    if args["checkpoint"]:
+        models = load_checkpoint_models(args["checkpoint"], preset=args["preset"], device=device, dtype=dtype,
+                                        peer=False)
+    else:
+        models = load_models(args["preset"], device=device, dtype=dtype, weights=args["weights"], peer=False)
+    batch, max_length = int(args["batch"]), int(args["max_length"])
+    inputs = make_inputs(models, batch, int(args["context"]))
+    load_s = time.perf_counter() - start
+    drafter = make_drafter(models, batch, max_length, compile=True)
+    prefill(models, drafter, inputs)
+    counters.clear()
+    ic_passes.reset_match_counts()
+    t0 = time.perf_counter()
+    step_fn(drafter, inputs)()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    split = split_compile_times(_times())
+    graphs = counters["stats"]["unique_graphs"]
+    cache = {k: int(v) for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
+    gen = torch.Generator().manual_seed(1)
+    steps = int(args["steps"])
+    for i in range(min(steps, max_length - int(args["context"]) - 1)):
+        ids = torch.randint(3, models.config.logits_vocab_size, (batch, 1), generator=gen).to(device)
+        drafter.draft(ids, inputs.positions + 1 + i, inputs.hidden, validate=False)
+    capture = None
+    if device.type == "cuda":
+        before = _times().get("_compile.compile_inner", 0.0)
+        graphed = make_drafter(models, batch, max_length, compile=True, cuda_graphs=True)
+        prefill(models, graphed, inputs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graphed.capture((batch,))
+        total, recompile = time.perf_counter() - t0, _times().get("_compile.compile_inner", 0.0) - before
+        capture = {"first_call_s": total, "recompile_s": recompile, "capture_s": max(0.0, total - recompile)}
+    return {"first_call_s": first, "import_s": import_s, "load_s": load_s, **split,
+            "graphs": graphs, "recompiles": counters["stats"]["unique_graphs"] - graphs, "recompile_steps": steps,
+            "cache_counters": cache, "fxgraph_cache_hit": cache.get("fxgraph_cache_hit", 0),
+            "fxgraph_cache_miss": cache.get("fxgraph_cache_miss", 0), "matches": ic_passes.match_counts(),
+            "cuda_graph": capture}
+
+
+def k_compile(args: dict) -> dict:
+    """Compile a K-depth drafter's greedy decode windows at batch 1 (wall and CPU seconds, compiler children
+    included), then count recompiles over 64 rounds of 1..K+1 verified rows."""
+    torch.set_num_threads(int(args["threads"]))
+    k = int(args["k"])
+    mtp = InklingMTP.from_pretrained(args["checkpoint"])
+    drafter = Drafter(mtp, 1, 1024, num_speculative_tokens=k, batch_buckets=(1,))
+    ic_passes.reset_match_counts()
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    drafter.capture((1,))
+    wall, cpu = time.perf_counter() - wall0, cpu_seconds() - cpu0
+    graphs = counters["stats"]["unique_graphs"]
+    gen, start = torch.Generator().manual_seed(1), 0
+    for i in range(64):
+        rows = i % (k + 1) + 1
+        drafter.draft(*_rows(mtp, 1, start, rows, gen), validate=False)
+        start += rows
+    return {"wall_s": wall, "cpu_s": cpu, "graphs": graphs, "matches": ic_passes.match_counts(),
+            "recompiles_over_64_rounds": counters["stats"]["unique_graphs"] - graphs}
+
+
+def startup(args: dict) -> dict:
+    """This fresh process from its spawn to its first draft (``mode``: package, cold or warm compile), by phase."""
+    ready_to_import = time.perf_counter()
+    torch.set_num_threads(int(args["threads"]))
+    mtp = InklingMTP.from_pretrained(args["checkpoint"], dtype=getattr(torch, args["dtype"]), device=args["device"])
+    t_model = time.perf_counter()
+    batch, context, k = int(args["batch"]), int(args["context"]), int(args["k"])
+    if args["mode"] == "package":
+        drafter = Drafter.load_compiled(args["package"], mtp)
+    else:
+        drafter = Drafter(mtp, batch, int(args["max_length"]), num_speculative_tokens=k, graph_rows=(k,))
+    t_ready = time.perf_counter()
+    ids, positions, hidden = _rows(mtp, batch, 0, context + 1, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mtp(ids[:, :-1], positions[:, :-1], hidden[:, :-1], cache=drafter.cache, depth=0)
+    t_prefill = time.perf_counter()
+    counters.clear()
+    drafter.draft(ids[:, -1:], positions[:, -1:], hidden[:, -1:]).drafts.cpu()
+    t_first = time.perf_counter()
+    return {"mode": args["mode"], "import_s": time.time() - args["spawned_at"] - (t_first - ready_to_import),
+            "model_s": t_model - ready_to_import, "ready_s": t_ready - t_model, "prefill_s": t_prefill - t_ready,
+            "first_draft_s": t_first - t_prefill, "to_first_draft_s": time.time() - args["spawned_at"],
+            "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+            "dynamo_graphs": int(counters["stats"]["unique_graphs"]), "packaged_buckets": len(drafter.packaged_buckets)}
