@@ -174,7 +174,7 @@ def table(rows: list[list[str]], indent: str = "") -> list[str]:
 
 # Parts of sections the default (headline) run leaves out; ``--full`` runs them
 FULL_ONLY = frozenset({"kernels", "stock", "depths", "kcompile", "perrow", "packaged_latency", "startup_compile",
-                       "e2e_eager", "target_loop"})
+                       "e2e_eager", "target_loop", "multimodal"})
 # Sections a preset runs only when asked with --with (on tiny: one compile per scheme, for a step too small to
 # be memory-bound)
 OPT_IN = {"quant": frozenset({"tiny"})}

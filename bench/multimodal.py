@@ -1,38 +1,36 @@
-"""Image prompts and the ``generate(custom_generate=...)`` entry (issue 24): what feeding the drafter the target's
-merged rows buys, and what the wrapper costs.
+"""Image prompts and the ``generate(custom_generate=...)`` entry (``multimodal`` section, ``--full``; issue 24):
+what feeding the drafter the target's merged rows buys, and what the wrapper costs.
 
-:func:`measure` runs the text target (``inkling_compiled.training.text_target``: trained on Python source, its 8
-MTP depths self-distilled; its vision tower is random) on image prompts, an image of random patches between the
-head and the last ``text_after`` tokens of a held-out source line, and reports:
+On the end-to-end target (by default the text target: trained on Python source, its 8 MTP depths self-distilled; its
+vision tower is random) each prompt is a held-out line with an image of random patches ``text_after`` tokens before
+its end. Reported:
 
-* ``acceptance_merged`` / ``acceptance_placeholder``: acceptance per position over the same prompts, the drafter's
-  prefill fed the target's merged rows (ours, docs/model.md §7) or the placeholder ids' embeddings (what drafting
-  from ``input_ids`` alone gives, as transformers' ``generate(use_mtp=True)`` does), with the mean accepted lengths;
-  ``same_tokens``: both equal the target's greedy ``generate`` (lossless either way);
-* ``tokens_per_s_generate`` / ``tokens_per_s_speculative`` and ``wrapper_cost``: one image prompt through
-  ``target.generate(..., custom_generate=custom_generate, drafter=...)`` and through ``speculative_generate`` with the
-  same ``pixel_values``, timed in turns, the order swapped every repeat (median of ``repeats`` each, after one
-  untimed call of each);
-  ``wrapper_cost`` = generate's median time / speculative_generate's - 1 (the goal: < 2 %).
-
-    python -m bench.multimodal [--k 8] [--new-tokens 32] [--patches 6] [--prompts 4] [--repeats 7] [--no-compile]
-                               [--json out.json]
+* acceptance per position over those prompts with the drafter's prefill fed the target's merged rows (ours,
+  docs/model.md §7) and fed the placeholder ids' embeddings (what drafting from ``input_ids`` alone gives, as
+  transformers' ``generate(use_mtp=True)`` does), with the mean accepted lengths, and whether both equal the
+  target's greedy ``generate`` (lossless either way);
+* one image prompt through ``target.generate(..., custom_generate=custom_generate, drafter=...)`` and through
+  ``speculative_generate`` with the same ``pixel_values``, timed in rotating rounds: tokens/s of each and the
+  wrapper's cost (generate's median time / speculative_generate's - 1; the goal: < 2 %).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
+from inkling_compiled import InklingMTP
+from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
+from inkling_compiled.testing.synthetic import load_hf_target
+
+from .harness import Context, table, time_variants, yes
+from .models import left_pad
+
 
 @dataclass
-class MultimodalResult:
+class Multimodal:
+    checkpoint: str
     k: int
     prompts: int
     image_patches: int
@@ -61,100 +59,68 @@ class PlaceholderDrafter:
         return self.drafter.draft(*args, **kwargs)
 
 
-def image_prompts(config, count: int, patches: int, length: int, text_after: int, seed: int = 0):
-    """(input_ids [count, L], pixel_values [count * patches, ...]): held-out source lines of ``length`` tokens with an
-    image (its begin token and ``patches`` placeholders) ``text_after`` tokens before the end."""
-    from inkling_compiled.training import text_target
-
-    gen = torch.Generator().manual_seed(seed)
+def image_prompts(config, text: list[torch.Tensor], patches: int, text_after: int, seed: int = 0):
+    """(input_ids, attention_mask, pixel_values): each text prompt with an image (its begin token and ``patches``
+    placeholders) ``text_after`` tokens before its end, left-padded; random pixels for every image."""
     vision = config.vision_config
-    text = text_target.heldout_prompts(count, length, seed=seed)
-    image = torch.tensor([config.image_bos_token_id] + [config.image_token_id] * patches).expand(count, -1)
-    ids = torch.cat([text[:, :length - text_after], image, text[:, length - text_after:]], dim=1)
+    image = torch.tensor([config.image_bos_token_id] + [config.image_token_id] * patches)
+    ids, mask = left_pad([torch.cat([t[:len(t) - text_after], image, t[len(t) - text_after:]]) for t in text])
     shape = (vision.temporal_patch_size, vision.patch_size, vision.patch_size, vision.num_channels)
-    return ids, torch.randn(count * patches, *shape, generator=gen)
+    return ids, mask, torch.randn(len(text) * patches, *shape, generator=torch.Generator().manual_seed(seed))
 
 
-def measure(*, k: int = 8, new_tokens: int = 32, patches: int = 6, prompts: int = 4, prompt_len: int = 24,
-            text_after: int = 2, repeats: int = 7, compile: bool = True, seed: int = 0) -> MultimodalResult:
-    from inkling_compiled import InklingMTP
-    from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
-    from inkling_compiled.testing.synthetic import load_hf_target
-    from inkling_compiled.training import text_target
-
-    path = text_target.build(text_target.RECIPE)
-    target = load_hf_target(path).requires_grad_(False)
-    mtp = InklingMTP.from_pretrained(path, target=target)
-    ids, pixels = image_prompts(target.config, prompts, patches, prompt_len, text_after, seed)
-    drafter = Drafter(mtp, max_batch_size=prompts, max_length=ids.shape[1] + new_tokens, num_speculative_tokens=k,
-                      compile=compile)
+def run_multimodal(checkpoint, text: list[torch.Tensor], *, k: int = 8, new_tokens: int = 32, patches: int = 6,
+                   text_after: int = 2, compile: bool = True, budget_s: float = 6.0, seed: int = 0) -> Multimodal:
+    target = load_hf_target(checkpoint).requires_grad_(False)
+    mtp = InklingMTP.from_pretrained(checkpoint, target=target)
+    ids, mask, pixels = image_prompts(target.config, text, patches, text_after, seed)
+    drafter = Drafter(mtp, max_batch_size=len(text), max_length=ids.shape[1] + new_tokens,
+                      num_speculative_tokens=min(k, mtp.config.num_depths), compile=compile)
     greedy = dict(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None)
-    reference = target.generate(ids, pixel_values=pixels, **greedy)
-    runs = {name: speculative_generate(target, d, ids, max_new_tokens=new_tokens, pixel_values=pixels)
+    reference = target.generate(ids, attention_mask=mask, pixel_values=pixels, **greedy)
+    runs = {name: speculative_generate(target, d, ids, mask, max_new_tokens=new_tokens, pixel_values=pixels)
             for name, d in (("merged", drafter), ("placeholder", PlaceholderDrafter(drafter)))}
-    same = all(torch.equal(out.sequences, reference) for out in runs.values())
 
-    one_ids, one_pixels = ids[:1], pixels[:patches]
-    calls = {"generate": lambda: target.generate(one_ids, pixel_values=one_pixels, custom_generate=custom_generate,
-                                                 drafter=drafter, **greedy),
-             "speculative": lambda: speculative_generate(target, drafter, one_ids, max_new_tokens=new_tokens,
-                                                         pixel_values=one_pixels)}
-    seconds = {name: [] for name in calls}
-    with torch.no_grad():
-        for call in calls.values():  # untimed: compiles and warms up both paths
-            call()
-        for repeat in range(repeats):
-            for name, call in list(calls.items())[::1 if repeat % 2 else -1]:
-                start = time.perf_counter()
-                call()
-                seconds[name].append(time.perf_counter() - start)
-    median = {name: statistics.median(values) for name, values in seconds.items()}
-    return MultimodalResult(
-        k=k, prompts=prompts, image_patches=patches, new_tokens=new_tokens, compiled=compile,
+    one = ids[:1, int((mask[0] == 0).sum()):]  # the first prompt alone, unpadded, and its image
+    one_pixels = pixels[:patches]
+    medians = {name: stats.median_ms for name, stats in time_variants({
+        "generate": lambda: target.generate(one, pixel_values=one_pixels, custom_generate=custom_generate,
+                                            drafter=drafter, **greedy),
+        "speculative": lambda: speculative_generate(target, drafter, one, max_new_tokens=new_tokens,
+                                                    pixel_values=one_pixels)},
+        device=mtp.device, budget_s=budget_s).items()}
+    return Multimodal(
+        checkpoint=str(checkpoint), k=drafter.num_speculative_tokens, prompts=len(text), image_patches=patches,
+        new_tokens=new_tokens, compiled=compile,
         acceptance_merged=runs["merged"].acceptance_per_position,
         acceptance_placeholder=runs["placeholder"].acceptance_per_position,
         mean_accepted_length_merged=runs["merged"].mean_accepted_length,
         mean_accepted_length_placeholder=runs["placeholder"].mean_accepted_length,
-        same_tokens=same,
-        tokens_per_s_generate=new_tokens / median["generate"],
-        tokens_per_s_speculative=new_tokens / median["speculative"],
-        wrapper_cost=median["generate"] / median["speculative"] - 1.0)
+        same_tokens=all(torch.equal(out.sequences, reference) for out in runs.values()),
+        tokens_per_s_generate=1e3 * new_tokens / medians["generate"],
+        tokens_per_s_speculative=1e3 * new_tokens / medians["speculative"],
+        wrapper_cost=medians["generate"] / medians["speculative"] - 1.0)
 
 
-def report(result: MultimodalResult) -> str:
-    positions = " ".join(f"{a:.3f}" for a in result.acceptance_merged)
-    placeholder = " ".join(f"{a:.3f}" for a in result.acceptance_placeholder)
-    return "\n".join([
-        f"image prompts: {result.prompts} x {result.image_patches} patches, K = {result.k}, "
-        f"{result.new_tokens} new tokens, drafter {'compiled' if result.compiled else 'eager'}",
-        f"acceptance per position, merged rows:    {positions}  (mean accepted length "
-        f"{result.mean_accepted_length_merged:.3f})",
-        f"acceptance per position, placeholder ids: {placeholder}  (mean accepted length "
-        f"{result.mean_accepted_length_placeholder:.3f})",
-        f"same tokens as greedy generate: {result.same_tokens}",
-        f"tokens/s: generate(custom_generate=...) {result.tokens_per_s_generate:.1f}, speculative_generate "
-        f"{result.tokens_per_s_speculative:.1f}; wrapper cost {100 * result.wrapper_cost:+.2f} % (goal < 2 %)"])
+def measure(ctx: Context) -> Multimodal:
+    s, target = ctx.settings, ctx.e2e_target()
+    count = 4
+    if target.prompts is not None:
+        text = list(target.prompts[:count])
+    else:
+        gen = torch.Generator().manual_seed(0)
+        text = [torch.randint(8, 256, (24,), generator=gen) for _ in range(count)]
+    return run_multimodal(target.checkpoint, text, k=max(s.e2e_ks), new_tokens=min(32, s.e2e_tokens),
+                          compile=s.runs("compiled"), budget_s=s.time_budget)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.multimodal", description=__doc__.split("\n")[0])
-    parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--patches", type=int, default=6)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--json", help="also write the result here")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    result = measure(k=args.k, new_tokens=args.new_tokens, patches=args.patches, prompts=args.prompts,
-                     repeats=args.repeats, compile=not args.no_compile)
-    print(report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(asdict(result), f, indent=1)
-    return 0 if result.same_tokens else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def lines(result: dict) -> list[str]:
+    rows = [["drafter prefill", "acceptance per position", "mean accepted length"]]
+    for name, label in (("merged", "merged rows (ours)"), ("placeholder", "placeholder ids")):
+        rows.append([label, " ".join(f"{a:.2f}" for a in result[f"acceptance_{name}"]),
+                     f"{result[f'mean_accepted_length_{name}']:.2f}"])
+    return [f"image prompts ({result['prompts']} x {result['image_patches']} patches, K = {result['k']}, "
+            f"{result['new_tokens']} new tokens, drafter {'compiled' if result['compiled'] else 'eager'}; same tokens "
+            f"as greedy generate: {yes(result['same_tokens'])})", *table(rows, "  "),
+            f"  generate(custom_generate=...) {result['tokens_per_s_generate']:.1f} tok/s vs speculative_generate "
+            f"{result['tokens_per_s_speculative']:.1f} tok/s: wrapper cost {result['wrapper_cost']:+.1%} (goal < 2 %)"]

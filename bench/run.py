@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 import transformers
 
-from . import compile_time, e2e, ksweep, packaged, perrow, plots, quant, report, step
+from . import compile_time, e2e, ksweep, multimodal, packaged, perrow, plots, quant, report, step
 from .harness import OPT_IN, Context, Settings, error_text, plain, probe_main, progress, write_json
 from .models import load_models, parse_dtype
 
@@ -50,6 +50,8 @@ SECTIONS = (
     Section("e2e", e2e, "end to end on the text target: ours at K = 1 and 8 vs the target and generate(use_mtp)"),
     Section("depths", ksweep, "the K sweep: tokens/s, acceptance, batch 1 and 4, draft rounds (--full)", cpu_only=True),
     Section("perrow", perrow, "per-row acceptance vs lockstep at batch 1, 4, 8 (--full)", cpu_only=True),
+    Section("multimodal", multimodal, "image prompts: acceptance from merged rows vs placeholder ids; the "
+            "generate(custom_generate=...) wrapper's cost (--full)"),
 )
 # Parts of sections, for --skip
 PARTS = {"kernels": "generated-code counts, stock vs passes (--full)", "stock": "the compiled step without our passes "
