@@ -29,6 +29,8 @@ from tests.runtime.test_speculative import (
 )
 from tests.runtime.test_speculative_depths import NEW, KStandInDrafter, SamplingDrafter
 
+pytestmark = pytest.mark.floor  # make test-floor: generate's custom_generate hook on the lowest transformers
+
 MAX_NEW = 14
 
 

@@ -18,6 +18,8 @@ from inkling_compiled.testing import synthetic
 
 IMAGE, IMAGE_BOS, AUDIO, AUDIO_BOS = 4, 5, 7, 6  # the synthetic checkpoints' special ids
 PATCH = (2, 2, 2, 3)  # one vision patch (temporal, height, width, channels): one merged row
+pytestmark = pytest.mark.floor  # make test-floor: the towers and generate's image handling on the lowest transformers
+
 MAX_NEW = 10
 
 
@@ -141,6 +143,7 @@ def test_k8_rerun_rows_that_reach_back_into_the_prompt(tiny8_target_and_mtp):
     assert with_rows[:2] == [True, True] and not with_rows[-1]
 
 
+@pytest.mark.slow  # the rows' steps compile (~40 s on 2 cores); the K = 8 drafter is the session's
 def test_compiled_drafter_takes_image_prompts_without_a_recompile(compiled_k8, tiny8_target_and_mtp):
     drafter, _ = compiled_k8
     target, _ = tiny8_target_and_mtp
