@@ -18,8 +18,6 @@ from inkling_compiled.testing import synthetic
 
 IMAGE, IMAGE_BOS, AUDIO, AUDIO_BOS = 4, 5, 7, 6  # the synthetic checkpoints' special ids
 PATCH = (2, 2, 2, 3)  # one vision patch (temporal, height, width, channels): one merged row
-pytestmark = pytest.mark.floor  # make test-floor: the towers and generate's image handling on the lowest transformers
-
 MAX_NEW = 10
 
 
@@ -62,6 +60,7 @@ def greedy(target, ids, mask, **inputs):
                            **inputs)
 
 
+@pytest.mark.floor  # make test-floor: the towers and generate's image handling on the lowest transformers
 @pytest.mark.parametrize("batch", [1, 2])
 def test_image_and_audio_prompts_match_generate(tiny_mm, batch):
     target, mtp = tiny_mm
@@ -109,6 +108,7 @@ def target_rows(target, call):
     return seen[0]
 
 
+@pytest.mark.floor
 def test_the_drafters_prefill_reads_the_targets_merged_rows(tiny_mm):
     target, mtp = tiny_mm
     drafter = Recording(Drafter(mtp, max_batch_size=2, max_length=32, compile=False))
