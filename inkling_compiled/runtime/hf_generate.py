@@ -13,7 +13,6 @@ name before any model call.
 from __future__ import annotations
 
 import copy
-import inspect
 import sys
 from dataclasses import dataclass
 
@@ -120,9 +119,9 @@ def _generate_call_arguments(streamer, synced_gpus):
     hands a ``custom_generate`` callable only the keyword arguments its signature adds to ``_sample``'s, so it
     never passes the streamer or ``synced_gpus`` on (after putting the prompt into the streamer itself); they are
     read from the calling ``generate`` frame then, so that a streamer is driven rather than silently dropped."""
-    frame = sys._getframe(2)
-    if frame.f_code is not inspect.unwrap(GenerationMixin.generate).__code__:
-        return streamer, synced_gpus, None
+    frame = sys._getframe(2)  # custom_generate's caller
+    if frame.f_code.co_name != "generate" or not isinstance(frame.f_locals.get("self"), GenerationMixin):
+        return streamer, synced_gpus, None  # called directly, not from generate
     found = frame.f_locals
     return (streamer if streamer is not None else found.get("streamer"), bool(synced_gpus or found.get("synced_gpus")),
             found.get("assistant_model"))
