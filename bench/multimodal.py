@@ -24,7 +24,7 @@ from inkling_compiled import InklingMTP
 from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
 from inkling_compiled.testing.synthetic import load_hf_target
 
-from .harness import Context, table, time_variants, yes
+from .harness import Context, progress, table, time_variants, yes
 from .models import left_pad
 
 
@@ -77,10 +77,13 @@ def run_multimodal(checkpoint, text: list[torch.Tensor], *, k: int = 8, new_toke
     drafter = Drafter(mtp, max_batch_size=len(text), max_length=ids.shape[1] + new_tokens,
                       num_speculative_tokens=min(k, mtp.config.num_depths), compile=compile)
     greedy = dict(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None)
+    progress(f"multimodal: {len(text)} image prompts, K = {drafter.num_speculative_tokens}, drafter prefill fed the "
+             f"merged rows, then the placeholder ids{' (compiles first)' if compile else ''}")
     reference = target.generate(ids, attention_mask=mask, pixel_values=pixels, **greedy)
     runs = {name: speculative_generate(target, d, ids, mask, max_new_tokens=new_tokens, pixel_values=pixels)
             for name, d in (("merged", drafter), ("placeholder", PlaceholderDrafter(drafter)))}
 
+    progress(f"multimodal: generate(custom_generate=...) vs speculative_generate, one image prompt (~{budget_s:.0f} s)")
     one = ids[:1, int((mask[0] == 0).sum()):]  # the first prompt alone, unpadded, and its image
     one_pixels = pixels[:patches]
     medians = {name: stats.median_ms for name, stats in time_variants({
