@@ -77,14 +77,15 @@ def samples_ms(fn: Callable[[], object], device: torch.device, seconds: float, t
 
 
 def time_variants(variants: dict[str, Callable[[], object]], *, device: torch.device, budget_s: float,
-                  rounds: int = 3) -> dict[str, Stats]:
-    """Every variant timed in ``rounds`` rounds whose order rotates, so drift on a shared machine hits all alike."""
+                  rounds: int = 3, timer=time.perf_counter) -> dict[str, Stats]:
+    """Every variant timed in ``rounds`` rounds whose order rotates, so drift on a shared machine hits all alike
+    (``timer``: as :func:`samples_ms` takes it)."""
     names, found = list(variants), {name: [] for name in variants}
     share = budget_s / (rounds * len(names))
     with torch.no_grad():
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                found[name] += samples_ms(variants[name], device, share)
+                found[name] += samples_ms(variants[name], device, share, timer)
     return {name: Stats.of(s) for name, s in found.items()}
 
 
