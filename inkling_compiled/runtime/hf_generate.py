@@ -88,12 +88,10 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
         else:
             criteria.append(criterion)
     max_new_tokens = max_length - input_ids.shape[1]
-    attention_mask = model_kwargs.get("attention_mask")
     do_sample = bool(generation_config.do_sample)
     draft_temperature = _draft_temperature(logits_processor) if do_sample else 0.0
-    _validate(model, drafter, input_ids, attention_mask, max_new_tokens, draft_temperature, 1.0, generator, lockstep)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    input_ids, attention_mask = _validate(model, drafter, input_ids, model_kwargs.get("attention_mask"),
+                                          max_new_tokens, draft_temperature, 1.0, generator, lockstep)
     pad = generation_config._pad_token_tensor
     batch = input_ids.shape[0]
     beyond_temperature = LogitsProcessorList(p for p in logits_processor if not isinstance(p, TemperatureLogitsWarper))
@@ -106,7 +104,7 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
         pad_after_stop=eos is not None, streamer=streamer)
     with torch.no_grad():
         rows = merged_rows(model, input_ids, **{name: model_kwargs.get(name) for name in MULTIMODAL_KWARGS})
-        out = run_loop(model, drafter, input_ids.long(), attention_mask.long(), decoding,
+        out = run_loop(model, drafter, input_ids, attention_mask, decoding,
                        max_new_tokens=max_new_tokens, eos=eos or [], pad_token_id=int(pad) if pad is not None else 0,
                        generator=generator, lockstep=lockstep, rows=rows)
     if generation_config.return_dict_in_generate:
