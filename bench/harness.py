@@ -77,15 +77,14 @@ def samples_ms(fn: Callable[[], object], device: torch.device, seconds: float, t
 
 
 def time_variants(variants: dict[str, Callable[[], object]], *, device: torch.device, budget_s: float,
-                  rounds: int = 3, timer=time.perf_counter) -> dict[str, Stats]:
-    """Every variant timed in ``rounds`` rounds whose order rotates, so drift on a shared machine hits all alike
-    (``timer``: as :func:`samples_ms` takes it)."""
+                  rounds: int = 3) -> dict[str, Stats]:
+    """Every variant timed in ``rounds`` rounds whose order rotates, so drift on a shared machine hits all alike."""
     names, found = list(variants), {name: [] for name in variants}
     share = budget_s / (rounds * len(names))
     with torch.no_grad():
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                found[name] += samples_ms(variants[name], device, share, timer)
+                found[name] += samples_ms(variants[name], device, share)
     return {name: Stats.of(s) for name, s in found.items()}
 
 
@@ -175,7 +174,7 @@ def table(rows: list[list[str]], indent: str = "") -> list[str]:
 
 # Parts of sections the default (headline) run leaves out; ``--full`` runs them
 FULL_ONLY = frozenset({"kernels", "stock", "depths", "kcompile", "perrow", "packaged_latency", "startup_compile",
-                       "e2e_eager", "target_loop", "multimodal"})
+                       "e2e_eager", "target_loop"})
 # Sections a preset runs only when asked with --with (on tiny: one compile per scheme, for a step too small to
 # be memory-bound)
 OPT_IN = {"quant": frozenset({"tiny"})}
