@@ -16,6 +16,8 @@ from pathlib import Path
 
 from transformers import InklingConfig, InklingTextConfig
 
+from .arguments import check_bool, is_int, is_number
+
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 CONFIG_FILE = "config.json"
 
@@ -68,13 +70,12 @@ class MTPConfig:
         ``mtp_log_scaling`` applies tau on full-attention depths (SGLang / transformers); the default follows vLLM
         and tokenspeed, which do not pass tau into the MTP block (docs/model.md §8 item 18).
         """
-        if not isinstance(mtp_log_scaling, bool):
-            raise TypeError(f"mtp_log_scaling must be a bool, got {mtp_log_scaling!r}")
+        check_bool("mtp_log_scaling", mtp_log_scaling)
         text = config.get_text_config() if isinstance(config, InklingConfig) else config
         if not isinstance(text, InklingTextConfig):
             raise ConfigError(f"expected an InklingConfig or InklingTextConfig, got {type(config).__name__}")
         n = text.num_mtp_layers
-        if n is None or _is_int(n) and n < 1:
+        if n is None or is_int(n) and n < 1:
             raise ConfigError(
                 f"config has no MTP depths (num_mtp_layers={n!r}; mtp_config.num_nextn_predict_layers must be >= 1)"
             )
@@ -83,7 +84,7 @@ class MTPConfig:
         if problems:
             raise ConfigError("; ".join(problems))
         local = list(text.mtp_local_layer_ids or [])
-        bad = [i for i in local if not (_is_int(i) and 0 <= i < n)]
+        bad = [i for i in local if not (is_int(i) and 0 <= i < n)]
         if bad:
             raise ConfigError(f"mtp_local_layer_ids {bad} out of range for {n} MTP depths")
         if text.hidden_act not in SUPPORTED_ACTIVATIONS:
@@ -125,19 +126,7 @@ def logits_vocab_size(config) -> int:
 # ------------------------------------------------------------------------------------------------ field rules
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_bool(value) -> bool:
-    return isinstance(value, bool)
-
-
-_KINDS = {int: ("an int", _is_int), float: ("a number", _is_number), bool: ("a bool", _is_bool)}
+_KINDS = {int: ("an int", is_int), float: ("a number", is_number), bool: ("a bool", lambda v: isinstance(v, bool))}
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,23 @@ import time
 
 import torch
 
+from . import arguments
+from .config import CONFIG_FILE
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROG = "python -m inkling_compiled.generate"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line naming the problem (exit status 2), without the usage text."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.generate", description=__doc__.split("\n")[0])
+    """The parsed arguments, every one checked (paths and device included) before anything is loaded."""
+    parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", help="raw Inkling checkpoint directory (default: tiny synthetic checkpoint)")
     parser.add_argument("--preset", default="tiny",
                         help="synthetic preset used when no --checkpoint is given (default tiny; tiny8 has 8 depths)")
@@ -54,9 +66,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args(argv)
-    for name in ("prompt_len", "batch", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("prompt_len", "batch", "max_new_tokens", "num_speculative_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
+        parser.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+    for flag, check in (("--temperature", lambda: arguments.temperature(args.temperature)),
+                        ("--top-p", lambda: arguments.top_p(args.top_p)),
+                        ("--device", lambda: arguments.device(args.device, "--device", runs=True)),
+                        ("--checkpoint", lambda: args.checkpoint is None or _check_checkpoint(args.checkpoint))):
+        try:
+            check()
+        except arguments.ArgumentError as e:
+            parser.error(str(e) if str(e).startswith(flag) else f"{flag}: {e}")
     if args.check and args.temperature > 0:
         parser.error("--check compares against greedy generate(); use it with --temperature 0")
     if args.text_target and (args.checkpoint or args.distilled):
@@ -68,8 +90,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _check_checkpoint(value) -> None:
+    directory = arguments.existing_directory("--checkpoint", value)
+    if not (directory / CONFIG_FILE).is_file():
+        raise arguments.ArgumentError(f"--checkpoint {value!r} holds no {CONFIG_FILE}: not a raw Inkling checkpoint "
+                                      "directory")
+
+
 def build(args):
     """(path, target, drafter) for the parsed arguments."""
+    from .checkpoint.reader import open_checkpoint
     from .model import InklingMTP
     from .runtime.drafter import Drafter
     from .testing.synthetic import cached_checkpoint, load_hf_target
@@ -86,6 +116,7 @@ def build(args):
             from .training.distill import distill
 
             path = distill(path)
+    open_checkpoint(path)  # the library's own checks of config and files, before transformers reads them
     dtype = DTYPES[args.dtype]
     target = load_hf_target(path, dtype=dtype).to(args.device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device)
@@ -151,7 +182,12 @@ def main(argv=None) -> int:
     from .testing.synthetic import greedy_generation_config
 
     torch.manual_seed(args.seed)
-    path, target, drafter = build(args)
+    try:
+        path, target, drafter = build(args)
+    except (ValueError, TypeError, OSError) as e:  # the library's refusals, and unreadable files: one line
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{PROG}: error: {first_line}", file=sys.stderr)
+        return 2
     ids, mask = make_prompts(args, logits_vocab_size(target.config.get_text_config()))
     ids, mask, media = add_media(args, target, ids, mask)
     eos = None if args.ignore_eos else target.generation_config.eos_token_id

@@ -20,6 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from .. import arguments
+from ..arguments import ArgumentError
 from ..config import CONFIG_FILE, ConfigError, MTPConfig, read_config_json, read_json_object
 from .layout import (
     INDEX_FILE,
@@ -44,45 +46,11 @@ Header = dict[str, tuple[str, tuple[int, ...]]]  # one safetensors file: key -> 
 # ------------------------------------------------------------------------------------------------ arguments
 
 
-def checkpoint_path(path) -> Path:
-    """``path`` as a Path; TypeError for anything that is not a str or os.PathLike."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"checkpoint path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
-    return Path(path)
-
-
-def check_flag(name: str, value, *, optional: bool = False) -> None:
-    if not (isinstance(value, bool) or optional and value is None):
-        raise TypeError(f"{name} must be a bool{' or None' if optional else ''}, got {value!r}")
-
-
-def _check_dtype(dtype) -> None:
-    if dtype is None:
-        return
-    supported = f"None or one of {sorted(map(str, SAFETENSORS_NAMES))}"
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be {supported}, got {type(dtype).__name__} {dtype!r}")
-    if dtype not in SAFETENSORS_NAMES:
-        raise ValueError(f"dtype must be {supported} (the MTP runs in floating point), got {dtype}")
-
-
-def _check_device(device) -> torch.device | None:
-    """The torch.device named by ``device``; ValueError if it is not a valid device string or is not usable here."""
-    if device is None:
-        return None
-    try:
-        resolved = torch.device(device)
-        torch.empty(1, device=resolved)  # an absent backend or device index fails here, not mid-load
-    except (RuntimeError, AssertionError, TypeError, NotImplementedError) as e:
-        raise ValueError(f"device={device!r} is not usable: {e}") from e
-    return resolved
-
-
 def _check_num_depths(num_depths, stored: int) -> None:
     if num_depths is None:
         return
-    if not isinstance(num_depths, int) or isinstance(num_depths, bool):
-        raise TypeError(f"num_depths must be an int or None, got {num_depths!r}")
+    if isinstance(num_depths, bool) or not hasattr(type(num_depths), "__index__"):
+        raise ArgumentError(f"num_depths must be an int or None, got {num_depths!r}")
     if not 1 <= num_depths <= stored:
         raise CheckpointError(f"num_depths={num_depths} but the checkpoint has {stored} MTP depth(s)")
 
@@ -145,9 +113,9 @@ class RawCheckpoint:
         ``shapes`` are the model's parameter names and shapes. ``dtype`` defaults to the stored MTP dtype (or the
         target's), ``device`` to CPU (or the target's). Every stored tensor must be floating point and finite.
         """
-        _check_dtype(dtype)
-        device = _check_device(device)
-        check_flag("progress", progress, optional=True)
+        arguments.dtype("dtype", dtype, SAFETENSORS_NAMES)
+        device = arguments.device(device)
+        arguments.check_bool("progress", progress, optional=True)
         lent = target_shared_parameters(target, self.config, shapes) if target is not None else {}
         if lent:
             t_dtype, t_device = lent["lm_head_weight"].dtype, lent["lm_head_weight"].device
@@ -232,7 +200,7 @@ class RawCheckpoint:
 def open_checkpoint(path, *, num_depths: int | None = None, mtp_log_scaling: bool = False) -> RawCheckpoint:
     """Open the checkpoint directory ``path``: its config.json read and checked (cut to the first ``num_depths``
     depths) and every tensor of the draft head located."""
-    path = checkpoint_path(path)
+    path = arguments.path("checkpoint path", path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not path.is_dir():

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .. import arguments
 from ..atomic_files import write_files_atomically
 from ..config import CONFIG_FILE, ConfigError, MTPConfig, parse_config_dict
 from .layout import (
@@ -30,7 +31,7 @@ from .layout import (
     is_draft_key,
     raw_key,
 )
-from .reader import check_flag, checkpoint_path, non_finite, read_header, read_index
+from .reader import non_finite, read_header, read_index
 
 
 def save_checkpoint(path, config: MTPConfig, tensors: Mapping[str, torch.Tensor], *,
@@ -44,8 +45,8 @@ def save_checkpoint(path, config: MTPConfig, tensors: Mapping[str, torch.Tensor]
     or leave two copies of a key with no index to choose is refused before anything is written. The write itself is
     :func:`write_files_atomically`.
     """
-    path = checkpoint_path(path)
-    check_flag("include_shared", include_shared)
+    path = arguments.path("checkpoint path", path)
+    arguments.check_bool("include_shared", include_shared)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path} is a file: save_pretrained writes a checkpoint directory")
     files, dtype = _files_to_write(tensors, include_shared)

@@ -10,19 +10,12 @@ The buffers are inference state: what is stored is detached, so they never recor
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 
+from ..arguments import positive_int
 from ..config import MTPConfig
-
-
-def positive_int(name: str, value) -> int:
-    """``value`` as an int, or ValueError unless it is an integer >= 1 (a bool or a float is not a count)."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__") or operator.index(value) < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return operator.index(value)
 
 
 @dataclass
@@ -74,23 +67,32 @@ class MTPCache:
         batch_size, max_length = positive_int("batch_size", batch_size), positive_int("max_length", max_length)
         self.batch_size, self.max_length = batch_size, max_length
         slots = max_length + 1
-        key_positions = torch.arange(slots, device=device)
 
         def buf(*shape):
             return torch.zeros(batch_size, slots, *shape, dtype=dtype, device=device)
 
-        self.depths = [
-            DepthCache(
-                k=buf(g.num_kv_heads, g.head_dim),
-                v=buf(g.num_kv_heads, g.head_dim),
-                conv_k=buf(g.num_kv_heads * g.head_dim),
-                conv_v=buf(g.num_kv_heads * g.head_dim),
-                conv_attn=buf(config.hidden_size),
-                conv_mlp=buf(config.hidden_size),
-                key_positions=key_positions,
-            )
-            for g in config.depths
-        ]
+        try:
+            key_positions = torch.arange(slots, device=device)
+            self.depths = [
+                DepthCache(
+                    k=buf(g.num_kv_heads, g.head_dim),
+                    v=buf(g.num_kv_heads, g.head_dim),
+                    conv_k=buf(g.num_kv_heads * g.head_dim),
+                    conv_v=buf(g.num_kv_heads * g.head_dim),
+                    conv_attn=buf(config.hidden_size),
+                    conv_mlp=buf(config.hidden_size),
+                    key_positions=key_positions,
+                )
+                for g in config.depths
+            ]
+        except RuntimeError as e:  # torch.OutOfMemoryError too: name the sizes, not the allocator's internals
+            if "alloc" not in str(e) and not isinstance(e, torch.OutOfMemoryError):
+                raise
+            per_slot = sum(4 * g.num_kv_heads * g.head_dim + 2 * config.hidden_size for g in config.depths)
+            need = batch_size * slots * per_slot * torch.empty(0, dtype=dtype).element_size()
+            raise MemoryError(f"the MTP cache for batch_size={batch_size}, max_length={max_length} needs {need:,} "
+                              f"bytes on {torch.device(device)}, which could not be allocated: choose a smaller "
+                              "batch or length") from e
 
     @property
     def pad_position(self) -> int:

@@ -13,11 +13,12 @@ import weakref
 import torch
 from torch import nn
 
+from .. import arguments
 from ..checkpoint.layout import SHARED_KEYS, CheckpointError
 from ..checkpoint.reader import open_checkpoint
 from ..checkpoint.writer import save_checkpoint
 from ..config import DepthGeometry, MTPConfig
-from . import int8, torchao_schemes
+from . import int8, torchao_schemes, validation
 from .block import DecoderBlock
 from .cache import DepthCache, MTPCache
 from .depth_input import concat_normed, normed_embedding
@@ -61,9 +62,6 @@ class InklingMTP(nn.Module):
         self.embed_weight = nn.Parameter(torch.zeros(v, h))
         self.embed_norm_weight = nn.Parameter(torch.ones(h)) if config.use_embed_norm else None
         self.lm_head_weight = nn.Parameter(torch.zeros(v, h))
-        # every module's own Parameter dict (entries are replaced by loading, the dicts are not): reading dtypes
-        # through them costs a fifth of named_parameters(), on every validated call
-        self._parameter_dicts = tuple(m._parameters for m in self.modules())
         # Set by quantize_(): a draft-only int8 copy of the head's first logits_vocab_size rows, 1/muP in its scales.
         self.quantized_head: Int8Linear | None = None
         self.quantization: Quantization | None = None
@@ -87,7 +85,7 @@ class InklingMTP(nn.Module):
         """
         if quantize is not None:
             int8.check_scheme(quantize)
-            _check_bool("quantize_head", quantize_head)
+            arguments.check_bool("quantize_head", quantize_head)
             if dtype is None and target is None:
                 dtype = int8.ACTIVATION_DTYPE
         checkpoint = open_checkpoint(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
@@ -116,7 +114,7 @@ class InklingMTP(nn.Module):
         ``from_pretrained(..., quantize=...)`` quantizes again on load (docs/compile.md §11).
         """
         int8.check_scheme(scheme)
-        _check_bool("head", head)
+        arguments.check_bool("head", head)
         if self.quantization is not None:
             raise ValueError(f"this model is already quantized ({self.quantization.scheme}, "
                              f"head={self.quantization.head})")
@@ -155,12 +153,13 @@ class InklingMTP(nn.Module):
         ``input_ids`` are the tokens x_{t+depth+1}; ``inputs_embeds`` replaces them with already backbone-normed
         embeddings (multimodal rows, docs/model.md §7), to which only the depth's own embed_norm is applied. With a
         cache the rows are written at their positions (``cache.pad_position`` marks padding rows); without one the rows
-        are the whole sequence. Eager calls are validated first (:meth:`check_inputs`, one host sync); traced calls
-        (``torch.compile``) are not, and callers that validated once at their own boundary use
-        :meth:`forward_unchecked`.
+        are the whole sequence. Eager calls are validated first (:meth:`check_inputs`, one host sync; ids and
+        positions of any integer dtype are converted to int64 there); traced calls (``torch.compile``) are not, and
+        callers that validated once at their own boundary use :meth:`forward_unchecked`.
         """
         if not torch.compiler.is_compiling():
-            self.check_inputs(input_ids, positions, previous_hidden, cache, depth, inputs_embeds)
+            input_ids, positions = self.check_inputs(input_ids, positions, previous_hidden, cache, depth,
+                                                     inputs_embeds)
         return self.forward_unchecked(input_ids, positions, previous_hidden, cache, depth, inputs_embeds)
 
     def forward_unchecked(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
@@ -245,146 +244,17 @@ class InklingMTP(nn.Module):
         state.pop("_target_ref", None)  # a weak reference does not pickle, and a copy shares nothing
         return state
 
-    # -- validation ----------------------------------------------------------------------------------------------
+    # -- validation (model/validation.py) ------------------------------------------------------------------------
 
     def check_parameters(self) -> None:
-        """ValueError naming the tensors when the parameters are not all of one dtype on one device (the target was
-        converted after loading with ``target=``, so its shared tensors changed and the MTP's own did not)."""
-        kinds = {(p.dtype, p.device) for params in self._parameter_dicts for p in params.values() if p is not None}
-        if len(kinds) > 1:
-            groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
-            for name, p in self.named_parameters():
-                groups.setdefault((p.dtype, p.device), []).append(name)
-            parts = [f"{dtype} on {device}: {_some(names)}"
-                     for (dtype, device), names in sorted(groups.items(), key=lambda item: len(item[1]))]
-            raise ValueError("the MTP's parameters are not all of one dtype on one device (" + "; ".join(parts)
-                             + "). Was the target converted after loading? Its shared tensors "
-                             f"({', '.join(n for n in self.SHARED if getattr(self, n) is not None)}) changed "
-                             "with it: convert the MTP the same way (mtp.to(...)) or re-load it with target=")
+        """ValueError when the parameters are not of one dtype on one device, or a quantized model lost its int8
+        kernels; see :func:`inkling_compiled.model.validation.check_parameters`."""
+        validation.check_parameters(self)
 
     def check_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor, previous_hidden: torch.Tensor,
                      cache: MTPCache | None = None, depth: int = 0, inputs_embeds: torch.Tensor | None = None, *,
-                     drafting: bool = False) -> None:
-        """Raise ValueError naming the problem for any bad argument, shape, dtype, device, id, position or value.
-
-        Padding rows are those at ``cache.pad_position``; their positions and hidden values are not checked.
-        ``drafting`` applies the Drafter's conventions instead: negative positions mark padding, and every sequence
-        needs a real row (its draft is read off its last one). Reading the values costs one host sync.
-        """
-        if self.quantization is not None:  # e.g. converted with .to(torch.float32) after quantizing
-            int8.check_runs_int8(self.device, self.dtype)
-        self.check_parameters()
-        h, n = self.config.hidden_size, self.config.num_depths
-        if isinstance(depth, bool) or not isinstance(depth, int):
-            raise ValueError(f"depth must be an int in [0, {n}), got {depth!r}")
-        if not 0 <= depth < n:
-            raise ValueError(f"depth {depth} out of range: this model has {n} MTP depth(s)")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        _check_tensor("positions", positions, ndim=2, integer=True, device=self.device)
-        batch, seq = positions.shape
-        if batch == 0 or seq == 0:
-            raise ValueError(f"positions has no rows (shape {tuple(positions.shape)}): need B >= 1 and T >= 1")
-        if input_ids is not None:
-            _check_tensor("input_ids", input_ids, ndim=2, integer=True, device=self.device, shape=(batch, seq))
-        else:
-            _check_tensor("inputs_embeds", inputs_embeds, ndim=3, device=self.device, shape=(batch, seq, h),
-                          dtype=self.dtype)
-        _check_tensor("previous_hidden", previous_hidden, ndim=3, device=self.device, shape=(batch, seq, h),
-                      dtype=self.dtype)
-        if cache is not None:
-            self._check_cache(cache, batch)
-        if drafting:
-            padding, note = positions < 0, "negative positions mark padding rows"
-        elif cache is not None:
-            padding, note = positions == cache.pad_position, f"{cache.pad_position} marks padding rows"
-        else:
-            padding, note = None, ""
-        self._check_values(input_ids, inputs_embeds, positions, previous_hidden, padding, cache, note, drafting)
-
-    def _check_cache(self, cache: MTPCache, batch: int) -> None:
-        if not isinstance(cache, MTPCache):
-            raise ValueError(f"cache must be an MTPCache (from new_cache), got {type(cache).__name__}")
-        if batch > cache.batch_size:
-            raise ValueError(f"batch of {batch} sequences exceeds the cache's batch_size {cache.batch_size}")
-        if len(cache.depths) != self.config.num_depths:
-            raise ValueError(f"cache has {len(cache.depths)} depth(s), the model {self.config.num_depths}")
-        k = cache.depths[0].k
-        if k.device != self.device or k.dtype != self.dtype:
-            raise ValueError(f"cache is {k.dtype} on {k.device}, the model {self.dtype} on {self.device}")
-        for i, (d, g) in enumerate(zip(cache.depths, self.config.depths)):
-            got, want = (*d.k.shape[2:], d.conv_attn.shape[-1]), (g.num_kv_heads, g.head_dim, self.config.hidden_size)
-            if got != want:
-                raise ValueError(f"cache depth {i} holds (kv heads, head dim, hidden) {got}, the model's depth {i} "
-                                 f"needs {want}: the cache was built for another model")
-
-    def _check_values(self, input_ids, inputs_embeds, positions, previous_hidden, padding, cache, note,
-                      drafting) -> None:
-        """Ids in the table; real rows at positions >= 0, inside the cache and consecutive per sequence, with finite
-        inputs (and, drafting, at least one per sequence). Reduced on the device to a few numbers, one host sync."""
-        if padding is None:
-            padding = torch.zeros_like(positions, dtype=torch.bool)
-        real, pos, none = ~padding, positions.long(), torch.iinfo(torch.long).max
-        first = pos.masked_fill(padding, none).amin(dim=1, keepdim=True)  # a sequence's earliest real row
-        stats = [first.amin(), pos.masked_fill(padding, -1).amax(), first.amax()]
-        if input_ids is not None:
-            stats += torch.aminmax(input_ids.long())
-        nonfinite = {name: real & ~x.isfinite().all(dim=-1)  # [B, T]: real rows holding a NaN or inf
-                     for name, x in (("previous_hidden", previous_hidden), ("inputs_embeds", inputs_embeds))
-                     if x is not None}
-        stats += [bad.sum() for bad in nonfinite.values()]
-        if cache is not None:  # the real rows, in column order, are at first, first + 1, ...
-            broken = real & (pos - first + 1 != real.cumsum(dim=1))
-            stats.append(broken.sum())
-        values = torch.stack(stats).tolist()  # the one host sync
-        lo, hi, last_first = values.pop(0), values.pop(0), values.pop(0)
-        if drafting and last_first == none:
-            row = int((first == none).nonzero()[0, 0])
-            raise ValueError(f"sequence {row} has no real row (all its positions are negative): nothing to draft from")
-        if input_ids is not None:
-            lo_id, hi_id = values.pop(0), values.pop(0)
-            vocab = self.embed_weight.shape[0]
-            if lo_id < 0 or hi_id >= vocab:
-                raise ValueError(f"token id {lo_id if lo_id < 0 else hi_id} out of range: ids must be in [0, {vocab}) "
-                                 "(the embedding table's rows)")
-        if lo < 0:
-            raise ValueError(f"position {lo} is negative")
-        for (name, bad), count in zip(nonfinite.items(), values):
-            if count:
-                b, t = bad.nonzero()[0].tolist()
-                raise ValueError(f"{name} holds a NaN or inf at sequence {b}, row {t} (position "
-                                 f"{int(positions[b, t])}): the inputs of real rows must be finite")
-        if cache is None:
-            return
-        if hi >= cache.max_length:
-            raise ValueError(f"position {hi} is past the cache capacity: max_length is {cache.max_length} "
-                             f"(positions 0..{cache.max_length - 1}; {note})")
-        if values[-1]:
-            row = int(broken.any(dim=1).nonzero()[0])
-            raise ValueError(f"sequence {row}: positions {positions[row][real[row]].tolist()} are not consecutive; "
-                             f"with a cache the real rows of a sequence are consecutive positions ({note})")
-
-
-def _some(names: list[str], shown: int = 3) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-
-
-def _check_tensor(name: str, t, *, ndim: int, device: torch.device, integer: bool = False,
-                  shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
-    if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} has dtype {t.dtype}, the model runs in {dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the model on {device}")
+                     drafting: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(input_ids, positions)`` as int64 after checking every argument (one host sync); see
+        :func:`inkling_compiled.model.validation.check_inputs`."""
+        return validation.check_inputs(self, input_ids, positions, previous_hidden, cache, depth, inputs_embeds,
+                                       drafting=drafting)

@@ -42,7 +42,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..model.cache import positive_int
+from .. import arguments
 from ..model.mtp import InklingMTP
 from ..torch_version import BEFORE_2_13
 from . import packaged
@@ -54,31 +54,6 @@ RECOMPILE_LIMIT = 256
 # torch 2.11's C++ codegen emits a vectorized 2-D tile of the step's cache-write kernel that reads an index before
 # declaring it (CppCompileError: 'tmpNN' was not declared); scalar CPU code compiles and is correct. 2.13 is fine.
 CPU_CODEGEN_WORKAROUNDS = {"cpp.simdlen": 1} if BEFORE_2_13 else {}
-
-
-def check_temperature(temperature) -> None:
-    """ValueError unless ``temperature`` is a finite number >= 0 (0 means greedy; a bool is not a temperature)."""
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not 0.0 <= temperature < float("inf")):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-
-
-def check_generator(generator, device: torch.device) -> None:
-    """ValueError unless ``generator`` is None or a ``torch.Generator`` for ``device``'s type (what sampling needs)."""
-    if generator is None:
-        return
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
-    if generator.device.type != device.type:
-        raise ValueError(f"generator is on {generator.device}, the model on {device}: sampling needs a generator "
-                         f"of the model's device (torch.Generator(device={device.type!r}))")
-
-
-def _bucket_sizes(name: str, values) -> tuple[int, ...]:
-    """Sorted distinct sizes, each an int >= 1."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise ValueError(f"{name} must be a tuple of ints >= 1, got {values!r}")
-    return tuple(sorted({positive_int(f"each of {name}", v) for v in values}))
 
 
 # Inductor options a quantized model's int8 kernels need, per device (docs/compile.md §11): passed to the drafter's
@@ -246,7 +221,7 @@ def _check_model(model) -> None:
 def _check_num_speculative_tokens(value, loaded: int) -> int:
     if value is None:
         return loaded
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= loaded:
+    if not arguments.is_int(value) or not 1 <= value <= loaded:
         raise ValueError(f"num_speculative_tokens must be an int in [1, {loaded}] (the model has {loaded} loaded MTP "
                          f"depth(s); load more with from_pretrained(..., num_depths=...)), got {value!r}")
     return value
@@ -268,22 +243,22 @@ class Drafter:
                  compile_options: dict | None = None):
         _check_model(model)
         model.check_parameters()
-        if not isinstance(compile, bool) or not (cuda_graphs is None or isinstance(cuda_graphs, bool)):
-            raise ValueError(f"compile must be a bool and cuda_graphs a bool or None, got {compile!r}, {cuda_graphs!r}")
+        arguments.check_bool("compile", compile)
+        arguments.check_bool("cuda_graphs", cuda_graphs, optional=True)
         self.model = model
         self.num_speculative_tokens = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
-        self.max_batch_size = positive_int("max_batch_size", max_batch_size)
-        self.max_length = positive_int("max_length", max_length)
+        self.max_batch_size = arguments.positive_int("max_batch_size", max_batch_size)
+        self.max_length = arguments.positive_int("max_length", max_length)
         self.cache = model.new_cache(self.max_batch_size, self.max_length)
         k = self.num_speculative_tokens
         self.history = (CommittedRows(self.max_batch_size, k, model.config.hidden_size, model.dtype, model.device)
                         if k > 1 else None)
-        buckets = _bucket_sizes("batch_buckets", batch_buckets)
+        buckets = arguments.size_tuple("batch_buckets", batch_buckets)
         if not buckets:
             raise ValueError("batch_buckets must name at least one batch size")
         self.batch_buckets = tuple(b for b in buckets if b < self.max_batch_size) + (self.max_batch_size,)
         self.graph_batch_limit = buckets[-1]
-        self.graph_rows = _bucket_sizes("graph_rows", graph_rows) if graph_rows is not None else decode_windows(k)
+        self.graph_rows = decode_windows(k) if graph_rows is None else arguments.size_tuple("graph_rows", graph_rows)
         on_cuda = model.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA model; this one is on {model.device}")
@@ -399,10 +374,11 @@ class Drafter:
         tokens. Such calls run the compiled (or eager) steps without CUDA graphs, one graph per bucket whatever the
         prompt (a packaged drafter compiles them on first use).
         """
-        if validate:
+        if validate is not False:  # the loop's hot path passes False: anything else is checked, itself included
+            arguments.check_bool("validate", validate)
             self.check(input_ids, positions, hidden, inputs_embeds)
-            check_temperature(temperature)
-            check_generator(generator, self.model.device)
+            arguments.temperature(temperature)
+            arguments.generator(generator, self.model.device)
         batch, rows = positions.shape
         shape = self._shape(batch, rows, temperature > 0)
         exact = batch == shape.batch and rows == shape.rows  # no padding: skip the slicing (it costs per call)
@@ -456,10 +432,10 @@ class Drafter:
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took."""
-        batch_sizes = self.batch_buckets if batch_sizes is None else _bucket_sizes("batch_sizes", batch_sizes)
+        batch_sizes = self.batch_buckets if batch_sizes is None else arguments.size_tuple("batch_sizes", batch_sizes)
         if batch_sizes and batch_sizes[-1] > self.max_batch_size:
             raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
-        check_temperature(temperature)
+        arguments.temperature(temperature)
         start = time.perf_counter()
         for batch in batch_sizes:
             for rows in self.graph_rows:
@@ -498,12 +474,12 @@ class Drafter:
 
         The package holds code only (no weights, no cache) and records what it was built for; see
         :meth:`load_compiled`. Each step is one AOTInductor compile (seconds to a minute on a small CPU)."""
-        batch_sizes = self.batch_buckets if batch_sizes is None else _bucket_sizes("batch_sizes", batch_sizes)
-        rows = self.graph_rows if rows is None else _bucket_sizes("rows", rows)
+        directory = arguments.path("directory", directory)
+        batch_sizes = self.batch_buckets if batch_sizes is None else arguments.size_tuple("batch_sizes", batch_sizes)
+        rows = self.graph_rows if rows is None else arguments.size_tuple("rows", rows)
         if batch_sizes and batch_sizes[-1] > self.max_batch_size:
             raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
-        if not isinstance(sampled, bool):
-            raise ValueError(f"sampled must be a bool, got {sampled!r}")
+        arguments.check_bool("sampled", sampled)
         keys = sorted({(*self.bucket(b, r), s) for b in batch_sizes for r in rows for s in {False, sampled}})
         return packaged.save_rounds(self, directory, [_BucketBuffers(self, *key) for key in keys])
 
@@ -519,10 +495,12 @@ class Drafter:
         (``num_speculative_tokens``, default: the package's), device, torch or pass version is a ``PackageMismatch``
         naming what differs, or with ``fallback=True`` a warning, and every bucket then runs the usual step
         (``torch.compile`` by default)."""
-        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
+        directory = arguments.path("directory", directory)
         _check_model(model)
+        arguments.check_bool("fallback", fallback)
         if num_speculative_tokens is not None:
             _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
+        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
         k = manifest["built_for"].get("num_speculative_tokens") if num_speculative_tokens is None \
             else num_speculative_tokens
         inductor = _compile_options(compile_options, model.device.type == "cuda", fast_inductor_options(model))

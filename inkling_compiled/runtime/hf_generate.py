@@ -90,9 +90,10 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
     max_new_tokens = max_length - input_ids.shape[1]
     do_sample = bool(generation_config.do_sample)
     draft_temperature = _draft_temperature(logits_processor) if do_sample else 0.0
-    input_ids, attention_mask = _validate(model, drafter, input_ids, model_kwargs.get("attention_mask"),
-                                          max_new_tokens, draft_temperature, 1.0, generator, lockstep)
     pad = generation_config._pad_token_tensor
+    input_ids, attention_mask, eos, pad = _validate(model, drafter, input_ids, model_kwargs.get("attention_mask"),
+                                                    max_new_tokens, draft_temperature, 1.0, generator, lockstep, eos,
+                                                    None if pad is None else int(pad))
     batch = input_ids.shape[0]
     beyond_temperature = LogitsProcessorList(p for p in logits_processor if not isinstance(p, TemperatureLogitsWarper))
     decoding = Decoding(
@@ -101,11 +102,11 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
         needs_context=any(type(p).__name__ not in CONTEXT_FREE_PROCESSORS for p in logits_processor),
         draft_scores=_processor_scores(beyond_temperature, batch) if do_sample and len(beyond_temperature) else None,
         stop=(lambda sequences: StoppingCriteriaList(criteria)(sequences, None)) if criteria else None,
-        pad_after_stop=eos is not None, streamer=streamer)
+        pad_after_stop=bool(eos), streamer=streamer)
     with torch.no_grad():
         rows = merged_rows(model, input_ids, **{name: model_kwargs.get(name) for name in MULTIMODAL_KWARGS})
         out = run_loop(model, drafter, input_ids, attention_mask, decoding,
-                       max_new_tokens=max_new_tokens, eos=eos or [], pad_token_id=int(pad) if pad is not None else 0,
+                       max_new_tokens=max_new_tokens, eos=eos, pad_token_id=pad,
                        generator=generator, lockstep=lockstep, rows=rows)
     if generation_config.return_dict_in_generate:
         return SpeculativeGenerateOutput(sequences=out.sequences, speculative=out)

@@ -10,12 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
+from .. import arguments
 from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
-from .drafter import DraftResult, DraftSource, check_generator, check_temperature
+from .drafter import DraftResult, DraftSource
 from .multimodal import merged_rows
 from .target_cache import rollback_rows, select_rows
 
@@ -142,32 +144,22 @@ def _verify_sampled(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, gener
 # validation
 
 
-def _as_eos_list(eos_token_id) -> list[int]:
-    if eos_token_id is None:
-        return []
-    if isinstance(eos_token_id, torch.Tensor):
-        return [int(v) for v in eos_token_id.reshape(-1).tolist()]
-    if isinstance(eos_token_id, int):
-        return [eos_token_id]
-    return [int(v) for v in eos_token_id]
-
-
-def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p, generator, lockstep
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check everything before any model call; return (input_ids, attention_mask) as int64 tensors."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    check_temperature(temperature)
+def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p, generator, lockstep,
+              eos_token_id, pad_token_id) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+    """Check every argument before any model call; return (input_ids, attention_mask) as int64 tensors, the EOS
+    ids and the pad id (checked whether or not an EOS is given: it is also the token of the drafter's padding rows
+    when rows keep different numbers of tokens)."""
+    if not isinstance(target, nn.Module) or not hasattr(getattr(target, "config", None), "get_text_config"):
+        raise arguments.ArgumentError(f"target must be a transformers Inkling model (InklingForCausalLM or "
+                                      f"InklingForConditionalGeneration), got {type(target).__name__}")
     if not isinstance(drafter, DraftSource):
-        raise ValueError(f"drafter must follow the DraftSource protocol (draft, max_batch_size, max_length, "
-                         f"num_speculative_tokens), got {type(drafter).__name__}")
-    if not isinstance(lockstep, bool):
-        raise ValueError(f"lockstep must be a bool, got {lockstep!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if (not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point
-            or input_ids.dtype.is_complex or input_ids.dtype == torch.bool):
-        raise ValueError("input_ids must be an integer tensor of shape [batch, prompt_len]")
+        raise arguments.ArgumentError(f"drafter must follow the DraftSource protocol (draft, max_batch_size, "
+                                      f"max_length, num_speculative_tokens), got {type(drafter).__name__}")
+    arguments.positive_int("max_new_tokens", max_new_tokens)
+    arguments.temperature(temperature)
+    arguments.check_bool("lockstep", lockstep)
+    arguments.top_p(top_p)
+    input_ids = arguments.integer_tensor("input_ids", input_ids, ndim=2)
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
         raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
@@ -180,8 +172,11 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
         raise ValueError(f"the drafter's model is on {draft_device}, the target on {target_device}")
     if isinstance(draft_model, InklingMTP):  # what the drafter would check on every call, checked once here
         draft_model.check_parameters()
-    check_generator(generator, target_device)
+    arguments.generator(generator, target_device)
     text = _text_config(target)
+    eos = arguments.token_ids("eos_token_id", eos_token_id, text.vocab_size)
+    pad = arguments.token_id("pad_token_id", (eos[0] if eos else 0) if pad_token_id is None else pad_token_id,
+                             text.vocab_size, " (finished rows feed it to the target, padding rows to the drafter)")
     # every id is embedded, padding included: one outside the table is an index error (on CUDA, a device assert)
     low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync for both
     if low < 0 or high >= text.vocab_size:
@@ -222,7 +217,7 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     draft_hidden = getattr(draft_config, "hidden_size", None)
     if draft_hidden is not None and draft_hidden != text.hidden_size:
         raise ValueError(f"drafter hidden size {draft_hidden} != target hidden size {text.hidden_size}")
-    return input_ids.long(), attention_mask
+    return input_ids, attention_mask, eos, pad
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -249,15 +244,9 @@ def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
     them: the target's prefill reads the merged rows, and so does the drafter's (docs/model.md §7). Raises
     ``ValueError`` on bad arguments before any model call.
     """
-    input_ids, attention_mask = _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature,
-                                          top_p, generator, lockstep)
-    eos = _as_eos_list(eos_token_id)
-    if pad_token_id is None:
-        pad_token_id = eos[0] if eos else 0
-    vocab = _text_config(target).vocab_size
-    if eos and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab):
-        raise ValueError(f"pad_token_id must be a token id in [0, {vocab}) (finished rows feed it to the target), "
-                         f"got {pad_token_id!r}")
+    input_ids, attention_mask, eos, pad_token_id = _validate(target, drafter, input_ids, attention_mask,
+                                                             max_new_tokens, temperature, top_p, generator, lockstep,
+                                                             eos_token_id, pad_token_id)
     if temperature == 0:
         decoding = Decoding()
     else:
@@ -267,7 +256,7 @@ def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
         rows = merged_rows(target, input_ids, pixel_values=pixel_values, audio_input_ids=audio_input_ids,
                            audio_input_ids_mask=audio_input_ids_mask, mm_encoder_outputs=mm_encoder_outputs)
         return run_loop(target, drafter, input_ids, attention_mask, decoding, max_new_tokens=max_new_tokens, eos=eos,
-                        pad_token_id=int(pad_token_id), generator=generator, lockstep=lockstep, rows=rows)
+                        pad_token_id=pad_token_id, generator=generator, lockstep=lockstep, rows=rows)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import arguments
+from ..arguments import ArgumentError
+
 FORMAT_VERSION = 1  # bump when the build writes different weights for the same corpus and recipe
 METRICS_FILE = "text_target.json"
 
@@ -116,14 +119,20 @@ def load_corpus(root=None, train=TRAIN_MODULES, heldout=HELDOUT_MODULES) -> Corp
 
 def encode(text: str | bytes) -> torch.Tensor:
     """Byte ids of ``text`` (UTF-8), int64 [N]."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise ArgumentError(f"text must be a str or bytes, got {type(text).__name__} {text!r}")
     data = text.encode() if isinstance(text, str) else bytes(text)
     return torch.tensor(list(data), dtype=torch.long)
 
 
 def decode(ids) -> str:
-    """Text of byte ids (invalid UTF-8 replaced); special ids shown by name, pad dropped."""
+    """Text of byte ids (a 1-d integer tensor or a list of ints; invalid UTF-8 replaced); special ids shown by name,
+    pad dropped."""
+    values = arguments.integer_tensor("ids", ids, ndim=1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    if not all(arguments.is_int(i) for i in values):
+        raise ArgumentError(f"ids must be integer token ids, got {ids!r}")
     out, run = [], bytearray()
-    for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids):
+    for i in values:
         if 0 <= i < BYTES:
             run.append(i)
             continue
@@ -138,6 +147,8 @@ def decode(ids) -> str:
 def line_start_windows(stream: torch.Tensor, count: int, length: int, seed: int) -> torch.Tensor:
     """``count`` windows [count, length] of ``stream`` starting at seeded random line starts (after a newline or a
     BOS), never crossing a file's EOS: prompts that look like the text a person would continue."""
+    count, length = arguments.positive_int("count", count), arguments.positive_int("length", length)
+    seed = arguments.integer("seed", seed)
     starts = torch.nonzero((stream == ord("\n")) | (stream == BOS_ID)).flatten() + 1
     starts = starts[starts + length <= len(stream)]
     windows = stream[starts[:, None] + torch.arange(length)[None]]
@@ -348,7 +359,7 @@ def cache_key(corpus: Corpus, recipe: Recipe) -> str:
 def target_dir(recipe: Recipe = RECIPE, *, root=None, corpus: Corpus | None = None) -> Path:
     """Where :func:`build` puts (or finds) the text target for ``recipe`` and the corpus."""
     corpus = corpus if corpus is not None else load_corpus()
-    root = Path(root) if root is not None else default_root()
+    root = arguments.path("root", root) if root is not None else default_root()
     return root / f"text-{cache_key(corpus, recipe)}"
 
 
@@ -418,6 +429,10 @@ def build(recipe: Recipe = RECIPE, *, root=None, corpus: Corpus | None = None, f
     """
     from . import distill as D
 
+    if not isinstance(recipe, Recipe):
+        raise ArgumentError(f"recipe must be a Recipe, got {type(recipe).__name__}")
+    arguments.check_bool("force", force)
+    arguments.check_bool("progress", progress)
     corpus = corpus if corpus is not None else load_corpus()
     final = target_dir(recipe, root=root, corpus=corpus)
     if is_built(final) and not force:
@@ -456,6 +471,7 @@ def _measure_text_agreement(path: Path, recipe: Recipe, corpus: Corpus) -> list[
 
 def heldout_prompts(count: int, length: int, *, seed: int = 0, corpus: Corpus | None = None) -> torch.Tensor:
     """[count, length] byte windows of the held-out modules, starting at line starts (seeded)."""
+    seed = arguments.integer("seed", seed)  # before the offset below: the error names the caller's value
     corpus = corpus if corpus is not None else load_corpus()
     return line_start_windows(corpus.stream("heldout"), count, length, seed + 1000)
 

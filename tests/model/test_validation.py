@@ -106,7 +106,7 @@ def test_one_dimensional_positions_drafter(drafter, inputs):
 
 @pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf")])
 def test_drafter_temperature_must_be_finite_and_non_negative(drafter, inputs, temperature):
-    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"):
         drafter.draft(*inputs, temperature=temperature)
 
 
@@ -417,7 +417,7 @@ def test_cache_sizes_accept_integer_like_values(model):
 
 @pytest.mark.parametrize("temperature", [True, "0.5", None, torch.tensor(0.5)])
 def test_drafter_temperature_must_be_a_number(drafter, inputs, temperature):
-    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"):
         drafter.draft(*inputs, temperature=temperature)
 
 

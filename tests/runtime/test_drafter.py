@@ -152,8 +152,8 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
     (dict(compile_options="max-autotune"), "compile_options must be a dict of torch.compile arguments"),
     (dict(compile_options={"bogus": 1}), r"compile_options \['bogus'\] are not torch.compile arguments"),
     (dict(compile_options={"options": 3}), r"compile_options\['options'\] must be a dict of Inductor options"),
-    (dict(compile="yes"), "compile must be a bool and cuda_graphs a bool or None, got 'yes', None"),
-    (dict(cuda_graphs=1), "compile must be a bool and cuda_graphs a bool or None, got True, 1"),
+    (dict(compile="yes"), "compile must be a bool, got 'yes'"),
+    (dict(cuda_graphs=1), "cuda_graphs must be a bool or None, got 1"),
 ])
 def test_drafter_arguments_are_checked(kwargs, match):
     args = {"max_batch_size": 2, "max_length": 64, **kwargs}
@@ -177,7 +177,7 @@ def test_drafter_buckets_are_deduplicated_and_caller_compile_options_win():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(batch_sizes=(0,)), "each of batch_sizes must be an int >= 1, got 0"),
     (dict(batch_sizes=(1, 3)), "batch size 3 exceeds the drafter's max_batch_size 2"),
-    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(temperature=-1.0), r"temperature must be 0 \(greedy\) or a finite number >= 1e-06 .*got -1.0"),
 ])
 def test_capture_arguments_are_checked(kwargs, match):
     drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)

@@ -392,8 +392,8 @@ class ExplodingDrafter(StandInDrafter):
 
 
 @pytest.mark.parametrize("case,match", [
-    (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
-    (dict(max_new_tokens=-3), "max_new_tokens must be a positive int"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+    (dict(max_new_tokens=-3), "max_new_tokens must be an int >= 1"),
     (dict(prompt_len=13), "prompt of 13 tokens is longer than the drafter's max_length 12"),
     (dict(prompt_len=8, max_new_tokens=6), r"prompt of 8 tokens \+ max_new_tokens 6 - 1 exceeds"),
     (dict(batch=3), "batch size 3 exceeds the drafter's max_batch_size 2"),
@@ -408,7 +408,7 @@ class ExplodingDrafter(StandInDrafter):
     (dict(top_p=True), "top_p must be in"),
     (dict(bool_ids=True), r"input_ids must be an integer tensor"),
     (dict(mask_value=0.5), "attention_mask must contain only 0 and 1"),
-    (dict(eos=3, pad=-1), r"pad_token_id must be a token id in \[0, 128\) \(finished rows feed it to the target\)"),
+    (dict(eos=3, pad=-1), r"pad_token_id must be a token id in \[0, 128\) \(finished rows feed it to the target"),
     (dict(eos=3, pad=128), r"pad_token_id must be a token id in \[0, 128\)"),
     (dict(lockstep=1), "lockstep must be a bool, got 1"),
 ])

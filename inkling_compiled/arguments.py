@@ -1,0 +1,176 @@
+"""The argument checks every entry point shares: one place, one message form ("NAME must be ..., got VALUE").
+
+Entry points (``InklingMTP.from_pretrained`` / ``quantize_``, ``Drafter``, ``speculative_generate``, the command
+line, the text-target helpers) check each public argument once, at their boundary, with these; code behind a
+boundary trusts what it is given. The model's own tensor checks (shapes, ids against its table, caches) are in
+``model/validation.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from pathlib import Path
+
+import torch
+
+# Below this a sampling temperature is greedy decoding up to float rounding, and its reciprocal (or logits divided by
+# it) overflows float32: it is refused, with 0 (greedy) as the way to ask for that.
+MIN_TEMPERATURE = 1e-6
+
+
+class ArgumentError(ValueError, TypeError):
+    """A public argument of the wrong type or value. Both a ValueError and a TypeError, so that callers of either
+    contract (the loop's ValueErrors, the loaders' TypeErrors for a wrong type) catch it."""
+
+
+def is_int(value) -> bool:
+    """A Python int that is not a bool (``True`` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_bool(name: str, value, *, optional: bool = False) -> None:
+    if not (isinstance(value, bool) or optional and value is None):
+        raise ArgumentError(f"{name} must be a bool{' or None' if optional else ''}, got {value!r}")
+
+
+def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int (anything with ``__index__`` but a bool), within [minimum, maximum] where given."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ArgumentError(f"{name} must be an int{_bounds(minimum, maximum)}, got {value!r}")
+    number = operator.index(value)
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        raise ArgumentError(f"{name} must be an int{_bounds(minimum, maximum)}, got {value!r}")
+    return number
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` as an int >= 1 (a bool or a float is not a count)."""
+    return integer(name, value, minimum=1)
+
+
+def _bounds(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in [{minimum}, {maximum}]"
+    return f" >= {minimum}" if minimum is not None else f" <= {maximum}" if maximum is not None else ""
+
+
+def size_tuple(name: str, values) -> tuple[int, ...]:
+    """Sorted distinct sizes from an iterable of ints >= 1."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ArgumentError(f"{name} must be a tuple of ints >= 1, got {values!r}")
+    return tuple(sorted({positive_int(f"each of {name}", v) for v in values}))
+
+
+def token_id(name: str, value, vocab: int, why: str = "") -> int:
+    """``value`` as a token id in [0, vocab): an int (anything with ``__index__`` but a bool: a NumPy integer, a
+    0-d integer tensor)."""
+    tensor_ok = not isinstance(value, torch.Tensor) or value.dim() == 0 and _is_integer_dtype(value.dtype)
+    if (not tensor_ok or isinstance(value, bool) or not hasattr(type(value), "__index__")
+            or not 0 <= operator.index(value) < vocab):
+        raise ArgumentError(f"{name} must be a token id in [0, {vocab}){why}, got {value!r}")
+    return operator.index(value)
+
+
+def token_ids(name: str, value, vocab: int) -> list[int]:
+    """An id, a sequence of ids or an integer tensor of ids as a list of ids in [0, vocab); None is []."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        if not _is_integer_dtype(value.dtype) or value.dim() > 1:
+            raise ArgumentError(f"{name} must be token ids in [0, {vocab}) (an int, a list or a 0-d / 1-d integer "
+                                f"tensor), got a {value.dtype} tensor of shape {tuple(value.shape)}")
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [token_id(f"each of {name}", v, vocab) for v in value]
+    return [token_id(name, value, vocab)]
+
+
+def temperature(value) -> float:
+    """A sampling temperature: 0 (greedy) or a finite number >= :data:`MIN_TEMPERATURE`."""
+    if not is_number(value) or not (value == 0 or MIN_TEMPERATURE <= value < math.inf):
+        raise ArgumentError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (smaller ones "
+                            f"are greedy decoding up to rounding, and overflow float32 as 1 / temperature), got "
+                            f"{value!r}")
+    return float(value)
+
+
+def top_p(value) -> float:
+    if not is_number(value) or not 0.0 < value <= 1.0:
+        raise ArgumentError(f"top_p must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def generator(value, device: torch.device) -> None:
+    """None, or a ``torch.Generator`` of ``device``'s type (what sampling on it needs)."""
+    if value is None:
+        return
+    if not isinstance(value, torch.Generator):
+        raise ArgumentError(f"generator must be a torch.Generator (or None), got {type(value).__name__}")
+    if value.device.type != device.type:
+        raise ArgumentError(f"generator is on {value.device}, the model on {device}: sampling needs a generator of "
+                            f"the model's device (torch.Generator(device={device.type!r}))")
+
+
+def device(value, name: str = "device", *, runs: bool = False) -> torch.device | None:
+    """The torch.device named by ``value`` (None passes), usable here: an absent backend or index fails now, not
+    mid-load. ``runs``: it must also compute (the meta device, which loading accepts, holds no data)."""
+    if value is None:
+        return None
+    try:
+        resolved = torch.device(value)
+        torch.empty(1, device=resolved)
+    except (RuntimeError, AssertionError, TypeError, NotImplementedError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ArgumentError(f"{name}={value!r} is not usable: {reason}") from e
+    if runs and resolved.type == "meta":
+        raise ArgumentError(f"{name}={value!r} is not usable: a meta device holds no data to run on")
+    return resolved
+
+
+def dtype(name: str, value, allowed) -> torch.dtype | None:
+    """None or one of the ``allowed`` torch dtypes."""
+    if value is not None and (not isinstance(value, torch.dtype) or value not in allowed):
+        supported = f"None or one of {sorted(map(str, allowed))}"
+        got = value if isinstance(value, torch.dtype) else f"{type(value).__name__} {value!r}"
+        raise ArgumentError(f"{name} must be {supported}, got {got}")
+    return value
+
+
+def path(name: str, value) -> Path:
+    """``value`` as a Path; it must be a str or os.PathLike."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ArgumentError(f"{name} must be a str or os.PathLike, got {type(value).__name__} {value!r}")
+    return Path(value)
+
+
+def existing_directory(name: str, value) -> Path:
+    """``value`` as the Path of an existing directory."""
+    directory = path(name, value)
+    if not directory.exists():
+        raise ArgumentError(f"{name} {str(directory)!r}: no such directory")
+    if not directory.is_dir():
+        raise ArgumentError(f"{name} {str(directory)!r} is not a directory")
+    return directory
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def integer_tensor(name: str, value, *, ndim: int) -> torch.Tensor:
+    """A tensor of ``ndim`` dims of any integer dtype, as int64 (converted once, here: a uint8 tensor is then never
+    taken for a boolean mask, nor an int16 one refused deep inside an index op)."""
+    if not isinstance(value, torch.Tensor):
+        raise ArgumentError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != ndim:
+        raise ArgumentError(f"{name} must have {ndim} dims, got shape {tuple(value.shape)}")
+    if not _is_integer_dtype(value.dtype):
+        raise ArgumentError(f"{name} must be an integer tensor, got {value.dtype}")
+    return value.long()
