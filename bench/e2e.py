@@ -8,6 +8,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 from transformers import DynamicCache
@@ -82,16 +83,68 @@ def count_hf_matches():
         return out
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        if rounds:
-            rounds[-1][1] = int(num_matches)
+        rounds[-1][1] = int(num_matches)
         return update(self, input_ids, scores, num_matches)
 
-    MTPCandidateGenerator.get_candidates = get_candidates
-    MTPCandidateGenerator.update_candidate_strategy = update_candidate_strategy
-    try:
+    with (mock.patch.object(MTPCandidateGenerator, "get_candidates", get_candidates),
+          mock.patch.object(MTPCandidateGenerator, "update_candidate_strategy", update_candidate_strategy)):
         yield rounds
-    finally:
-        MTPCandidateGenerator.get_candidates, MTPCandidateGenerator.update_candidate_strategy = get, update
+
+
+def load(checkpoint):
+    """transformers' target (fp32, CPU) and our MTP sharing its embedding and head."""
+    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
+    return target, InklingMTP.from_pretrained(checkpoint, target=target)
+
+
+def generators(target, new_tokens: int):
+    """(the target alone: ``target.generate`` greedy, transformers' ``generate(use_mtp=True)``), each ``fn(ids,
+    mask=None)`` returning (sequences, None) / (sequences, its rounds [drafted, accepted])."""
+    gconfig, gconfig_mtp = (greedy_generation_config(target, new_tokens) for _ in range(2))
+    gconfig_mtp.use_mtp = True
+
+    def alone(ids, mask=None):
+        mask = torch.ones_like(ids) if mask is None else mask
+        return target.generate(ids, attention_mask=mask, generation_config=gconfig), None
+
+    def transformers_mtp(ids, mask=None):
+        with count_hf_matches() as rounds:
+            mask = torch.ones_like(ids) if mask is None else mask
+            return target.generate(ids, attention_mask=mask, generation_config=gconfig_mtp), rounds
+
+    return alone, transformers_mtp
+
+
+def counts(detail) -> tuple[int, int, int]:
+    """(drafted, accepted, rounds that drafted) of one generation's detail: our ``SpeculativeOutput``,
+    transformers' rounds [drafted, accepted], or None (the target alone)."""
+    if detail is None:
+        return 0, 0, 0
+    if isinstance(detail, list):
+        drafting = [r for r in detail if r[0] > 0]
+        return sum(r[0] for r in drafting), sum(r[1] for r in drafting), len(drafting)
+    return detail.num_drafted, detail.num_accepted, detail.num_rounds
+
+
+def interleaved(methods: dict, rows: list[torch.Tensor], tag: str = "e2e") -> dict[str, dict]:
+    """Each method's seconds over ``rows`` and its outputs in row order, after one untimed warm-up each
+    (``warmup_s``); the methods take turns prompt by prompt (order rotating), so drift on a shared machine hits
+    them alike."""
+    figures = {name: {"seconds": 0.0, "outputs": []} for name in methods}
+    names = list(methods)
+    with torch.no_grad():
+        for name, fn in methods.items():
+            progress(f"{tag}: {label(name)}: warm-up" + (" (compiles the drafter)" if "compiled" in name else ""))
+            start = time.perf_counter()
+            fn(rows[0])
+            figures[name]["warmup_s"] = time.perf_counter() - start
+        progress(f"{tag}: timing {len(rows)} prompts x {len(methods)} methods, interleaved")
+        for i, p in enumerate(rows):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                start = time.perf_counter()
+                figures[name]["outputs"].append(methods[name](p))
+                figures[name]["seconds"] += time.perf_counter() - start
+    return figures
 
 
 def prompt_batch(prompts: torch.Tensor | None, count: int, length: int, vocab: int, seed: int) -> torch.Tensor:
@@ -121,17 +174,12 @@ def run_e2e(checkpoint, *, ks=(1,), prompts: torch.Tensor | None = None, count: 
             compiled: bool = True, hf_mtp: bool = True, eager: bool = True, target_loop: bool = True,
             target_label: str = "", distill_metrics: dict | None = None) -> E2E:
     """Every method on ``count`` prompts of ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
-    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
-    mtp = InklingMTP.from_pretrained(checkpoint, target=target)
+    target, mtp = load(checkpoint)
     text = target.config.get_text_config()
     vocab = logits_vocab_size(text)
     rows = [row[None] for row in prompt_batch(prompts, count, 8, vocab, 0)]
-    gconfig, gconfig_mtp = (greedy_generation_config(target, new_tokens) for _ in range(2))
-    gconfig_mtp.use_mtp = True
+    alone, transformers_mtp = generators(target, new_tokens)
     max_length = rows[0].shape[1] + new_tokens + 8
-
-    def alone(p):
-        return target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig), None
 
     def loop(p):
         """The target alone through the calls our speculative loop makes (no generate() machinery)."""
@@ -144,67 +192,38 @@ def run_e2e(checkpoint, *, ks=(1,), prompts: torch.Tensor | None = None, count: 
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         return torch.cat(out, dim=1), None
 
-    def transformers_mtp(p):
-        with count_hf_matches() as found:
-            out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig_mtp)
-        drafting = [r for r in found if r[0] > 0]
-        return out, (sum(r[0] for r in drafting), sum(r[1] for r in drafting), len(drafting))
-
     def ours(k, compile):
         drafter = Drafter(mtp, 1, max_length, num_speculative_tokens=k, compile=compile,
                           compile_options=compile_options(passes=True, fresh=False) if compile else None)
 
         def run(p):
             out = speculative_generate(target, drafter, p, max_new_tokens=new_tokens)
-            return out.sequences, (out.num_drafted, out.num_accepted, out.num_rounds)
+            return out.sequences, out
         return run
 
     methods = {"target": alone, **({"target_loop": loop} if target_loop else {}),
                **({"hf_mtp": transformers_mtp} if hf_mtp else {}), **({"ours_eager": ours(1, False)} if eager else {})}
     methods.update({f"ours_compiled_k{k}": ours(k, True) for k in ks if compiled and k <= mtp.config.num_depths})
     figures = interleaved(methods, rows)
-    base = figures["target"]["tokens"] / figures["target"]["seconds"]
     record = E2E(target_label or "distilled synthetic target, random prompts", str(checkpoint), len(rows),
                  rows[0].shape[1], new_tokens, text.num_mtp_layers, distill=distill_metrics)
+    news = {name: [out[:, p.shape[1]:] for p, (out, _) in zip(rows, f["outputs"])] for name, f in figures.items()}
+    base = sum(new.shape[1] for new in news["target"]) / figures["target"]["seconds"]
     for name, f in figures.items():
-        tokens_per_s = f["tokens"] / f["seconds"]
+        tokens = sum(new.shape[1] for new in news[name])
+        tokens_per_s = tokens / f["seconds"]
+        drafted, accepted, rounds = map(sum, zip(*(counts(detail) for _, detail in f["outputs"])))
+        matches = sum(torch.equal(new[:, :ref.shape[1]], ref[:, :new.shape[1]])
+                      for new, ref in zip(news[name], news["target"]))
         record.methods[name] = {
             "k": int(name.rsplit("_k", 1)[1]) if "_k" in name else 1 if name == "ours_eager" else None,
-            "tokens_per_s": tokens_per_s, "ms_per_token": 1e3 * f["seconds"] / f["tokens"],
-            "speedup_vs_target": tokens_per_s / base, "new_tokens": f["tokens"], "seconds": f["seconds"],
-            "warmup_s": f["warmup_s"], "acceptance": f["accepted"] / f["drafted"] if f["drafted"] else None,
-            "drafted": f["drafted"], "accepted": f["accepted"], "rounds": f["rounds"],
-            "tokens_per_round": (f["tokens"] - len(rows)) / f["rounds"] if f["rounds"] else None,
-            "outputs_match_target": None if name == "target" else f["matches"] == len(rows)}
+            "tokens_per_s": tokens_per_s, "ms_per_token": 1e3 * f["seconds"] / tokens,
+            "speedup_vs_target": tokens_per_s / base, "new_tokens": tokens, "seconds": f["seconds"],
+            "warmup_s": f["warmup_s"], "acceptance": accepted / drafted if drafted else None,
+            "drafted": drafted, "accepted": accepted, "rounds": rounds,
+            "tokens_per_round": (tokens - len(rows)) / rounds if rounds else None,
+            "outputs_match_target": None if name == "target" else matches == len(rows)}
     return record
-
-
-def interleaved(methods: dict, rows: list[torch.Tensor]) -> dict[str, dict]:
-    """Each method's seconds, tokens, draft counts and prompts matching the target, after one untimed warm-up each;
-    the methods take turns prompt by prompt (order rotating), so drift on a shared machine hits them alike."""
-    figures = {name: dict(seconds=0.0, tokens=0, drafted=0, accepted=0, rounds=0, matches=0) for name in methods}
-    with torch.no_grad():
-        for name, fn in methods.items():
-            progress(f"e2e: {label(name)}: warm-up" + (" (compiles the drafter)" if "compiled" in name else ""))
-            start = time.perf_counter()
-            fn(rows[0])
-            figures[name]["warmup_s"] = time.perf_counter() - start
-        progress(f"e2e: timing {len(rows)} prompts x {len(methods)} methods, interleaved")
-        for i, p in enumerate(rows):
-            names, news = list(methods), {}
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                start = time.perf_counter()
-                out, counts = methods[name](p)
-                f = figures[name]
-                f["seconds"] += time.perf_counter() - start
-                news[name] = out[:, p.shape[1]:]
-                f["tokens"] += news[name].shape[1]
-                for key, n in zip(("drafted", "accepted", "rounds"), counts or ()):
-                    f[key] += n
-            for name, new in news.items():
-                n = min(new.shape[1], news["target"].shape[1])
-                figures[name]["matches"] += int(torch.equal(new[:, :n], news["target"][:, :n]))
-    return figures
 
 
 def measure(ctx: Context) -> E2E:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 aten = torch.ops.aten
 GEMM_OPS = {
@@ -18,20 +19,13 @@ GEMM_OPS = {
 
 
 @dataclass(frozen=True)
-class Operand:
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
 class Gemm:
-    """One recorded call: the aten overload, its arguments (tensors replaced by :class:`Operand`), whether a
-    parameter is among the operands, and the multiply-add count."""
+    """One recorded call: the aten overload, its arguments (tensors as meta tensors of the same shape, stride and
+    dtype) and whether a parameter is among the operands."""
 
     op: object  # torch._ops.OpOverload
     args: tuple
-    kwargs: tuple  # sorted (name, value) pairs
+    kwargs: dict
     weight: bool
 
     @property
@@ -39,14 +33,13 @@ class Gemm:
         return GEMM_OPS[self.op]
 
     @property
-    def operands(self) -> list[Operand]:
-        return [a for a in self.args if isinstance(a, Operand)]
+    def operands(self) -> list[torch.Tensor]:
+        return [a for a in self.args if isinstance(a, torch.Tensor)]
 
     @property
     def mnk(self) -> tuple[int, ...]:
         """(M, N, K) of a 2-D GEMM, (batch, M, N, K) of a batched one."""
-        ops = self.operands
-        a, b = ops[-2], ops[-1]
+        a, b = self.operands[-2:]
         if self.name in ("bmm", "baddbmm"):
             return (a.shape[0], a.shape[1], b.shape[2], a.shape[2])
         if self.name in ("mv", "addmv"):
@@ -54,18 +47,6 @@ class Gemm:
         if self.name == "dot":
             return (1, 1, a.shape[0])
         return (a.shape[0], b.shape[1], a.shape[1])
-
-    @property
-    def macs(self) -> int:
-        out = 1
-        for d in self.mnk:
-            out *= d
-        return out
-
-    def to_dict(self) -> dict:
-        return {"op": self.name, "mnk": list(self.mnk), "weight": self.weight,
-                "shapes": [list(o.shape) for o in self.operands],
-                "dtype": str(self.operands[-1].dtype).removeprefix("torch.")}
 
 
 class _Recorder(TorchDispatchMode):
@@ -77,19 +58,14 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in GEMM_OPS:
-            weight = False
+            tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+            weight = any(t.untyped_storage().data_ptr() in self.param_ptrs for t in tensors)
 
-            def conv(a):
-                nonlocal weight
-                if isinstance(a, torch.Tensor):
-                    if a.untyped_storage().data_ptr() in self.param_ptrs:
-                        weight = True
-                    return Operand(tuple(a.shape), tuple(a.stride()), a.dtype)
-                return a
+            def as_meta(t: torch.Tensor) -> torch.Tensor:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
-            rec_args = tuple(conv(a) for a in args)
-            rec_kwargs = tuple(sorted((k, conv(v)) for k, v in kwargs.items()))
-            self.calls.append(Gemm(func, rec_args, rec_kwargs, weight))
+            self.calls.append(Gemm(func, tree_map_only(torch.Tensor, as_meta, args),
+                                   tree_map_only(torch.Tensor, as_meta, kwargs), weight))
         return func(*args, **kwargs)
 
 
@@ -109,41 +85,29 @@ def summarize(gemms: list[Gemm]) -> list[dict]:
             for (op, mnk, w, dt), c in counts.items()]
 
 
-def _alloc(o: Operand, device, gen: torch.Generator | None) -> torch.Tensor:
-    t = torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=device)
-    if t.dtype.is_floating_point:
-        t.normal_(generator=gen)
-    else:
-        t.zero_()
-    return t
-
-
 class GemmFloor:
-    """Replays recorded GEMMs with fresh operands of the same layout: ``floor()`` runs them all once.
+    """Replays recorded GEMMs with fresh operands of the same layout: ``floor()`` runs them all once (``summary``:
+    :func:`summarize`). On CUDA the sequence is captured once as a CUDA graph, so the floor carries no launch
+    overhead."""
 
-    ``which``: "all" (every GEMM of the step), "weight" (parameter GEMMs only) or "activation". On CUDA the sequence
-    is captured once as a CUDA graph (``cuda_graph=True``), so the floor carries no launch overhead.
-    """
-
-    def __init__(self, gemms: list[Gemm], device, *, which: str = "all", cuda_graph: bool = True, seed: int = 0):
-        if which not in ("all", "weight", "activation"):
-            raise ValueError(f"which must be all / weight / activation, got {which!r}")
+    def __init__(self, gemms: list[Gemm], device, seed: int = 0):
         self.device = torch.device(device)
-        self.gemms = [g for g in gemms if which == "all" or g.weight == (which == "weight")]
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        self.calls = []
-        for g in self.gemms:
-            args = tuple(_alloc(a, self.device, gen) if isinstance(a, Operand) else a for a in g.args)
-            kwargs = {k: _alloc(v, self.device, gen) if isinstance(v, Operand) else v for k, v in g.kwargs}
-            self.calls.append((g.op, args, kwargs))
+
+        def fresh(meta: torch.Tensor) -> torch.Tensor:
+            t = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=self.device)
+            return t.normal_(generator=gen) if t.dtype.is_floating_point else t.zero_()
+
+        self.summary = summarize(gemms)
+        self.calls = [(g.op, tree_map_only(torch.Tensor, fresh, g.args), tree_map_only(torch.Tensor, fresh, g.kwargs))
+                      for g in gemms]
         self.graph = None
-        if cuda_graph and self.device.type == "cuda" and self.calls:
+        if self.device.type == "cuda" and self.calls:
             self._run()  # warm-up (cuBLAS handles, workspaces) before capture
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
                 self._run()
-            self.graph = graph
 
     def _run(self) -> None:
         for op, args, kwargs in self.calls:
@@ -154,7 +118,3 @@ class GemmFloor:
             self.graph.replay()
         else:
             self._run()
-
-    @property
-    def macs(self) -> int:
-        return sum(g.macs for g in self.gemms)

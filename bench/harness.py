@@ -3,6 +3,7 @@ on CUDA), the one subprocess probe, JSON records and the table formatter."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -93,6 +94,15 @@ def ratios(medians: dict[str, float], pairs: dict[str, tuple[str, str]]) -> dict
     return {name: medians[a] / medians[b] for name, (a, b) in pairs.items() if a in medians and b in medians}
 
 
+def random_rows(mtp, batch: int, start: int, rows: int, gen: torch.Generator):
+    """Draft-step inputs for ``mtp`` (an ``InklingMTP``): rows start..start+rows-1 with random real ids and
+    unit-scale hiddens, on the model's device."""
+    ids = torch.randint(3, mtp.config.logits_vocab_size, (batch, rows), generator=gen)
+    positions = torch.arange(start, start + rows)[None].expand(batch, rows).contiguous()
+    hidden = torch.randn(batch, rows, mtp.config.hidden_size, generator=gen)
+    return ids.to(mtp.device), positions.to(mtp.device), hidden.to(device=mtp.device, dtype=mtp.dtype)
+
+
 # ------------------------------------------------------------------------------------------------ probes
 
 def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: float) -> dict:
@@ -123,22 +133,20 @@ def probe_main(function: str, args_json: str) -> int:
 
 # ------------------------------------------------------------------------------------------------ records
 
+def _to_json(value) -> object:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else str(value)
+
+
 def plain(record) -> object:
-    """A record (dataclasses, dicts, lists) as JSON-ready values."""
-    if dataclasses.is_dataclass(record):
-        return {f.name: plain(getattr(record, f.name)) for f in dataclasses.fields(record)}
-    if isinstance(record, dict):
-        return {str(k): plain(v) for k, v in record.items()}
-    if isinstance(record, list | tuple):
-        return [plain(v) for v in record]
-    return record
+    """A record (dataclasses, dicts, lists) as the JSON holds it (string keys, lists for tuples)."""
+    return json.loads(json.dumps(record, default=_to_json))
 
 
 def write_json(path: Path, value) -> None:
     """Whole or not at all: a run killed while writing leaves the previous copy."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(plain(value), indent=1, default=str) + "\n")
+    tmp.write_text(json.dumps(value, indent=1, default=_to_json) + "\n")
     os.replace(tmp, path)
 
 
@@ -180,37 +188,9 @@ FULL_ONLY = frozenset({"kernels", "stock", "depths", "kcompile", "perrow", "pack
 OPT_IN = {"quant": frozenset({"tiny"})}
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Everything a run does, resolved once from the command line (:func:`bench.run.parse_args`)."""
-
-    configs: tuple[str, ...]
-    device: str
-    dtype: str
-    batch_sizes: tuple[int, ...]
-    context: int
-    max_length: int
-    weights: str | None
-    threads: int
-    skip: frozenset[str]
-    only: frozenset[str]
-    with_: frozenset[str]
-    full: bool
-    quick: bool
-    time_budget: float
-    recompile_steps: int
-    probe_timeout: float
-    e2e_prompts: int
-    e2e_tokens: int
-    e2e_target: str
-    e2e_ks: tuple[int, ...]
-    ks: tuple[int, ...]
-    k_seconds: float
-    full_sweep: bool
-    distill_steps: int | None
-    e2e_checkpoint: Path | None
-    json_path: Path
-    record: Path | None
+class Settings(argparse.Namespace):
+    """Everything a run does: the command line (:func:`bench.run.add_run_options`), resolved once
+    (:func:`bench.run.parse_args`): lists parsed, defaults of ``--quick`` / ``--full`` filled in."""
 
     def runs(self, part: str, preset: str | None = None) -> bool:
         """Whether ``part`` (a section or a part of one) runs, for ``preset`` where that matters."""
@@ -226,7 +206,7 @@ class Settings:
                 "threads": self.threads, "full": self.full, "quick": self.quick, "skip": sorted(self.skip),
                 "only": sorted(self.only), "opt_in": sorted(self.with_),
                 "e2e_target": str(self.e2e_checkpoint or self.e2e_target), "e2e_ks": list(self.e2e_ks),
-                "ks": list(self.ks), "full_sweep": self.full_sweep}
+                "ks": list(self.ks)}
 
 
 @dataclass

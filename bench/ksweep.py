@@ -1,6 +1,7 @@
 """The K sweep (``depths`` section, ``--full``): for K = 1, 2, 4, 8 chained MTP depths per round on the end-to-end
 target, tokens/s and acceptance at batch 1 and for one left-padded batch of 4, draft-round latency, and the cold
-compile of the smallest and largest K in fresh processes (every K with ``--full-sweep``)."""
+compile of the smallest and largest K in fresh processes. The batch of 4 drafts with eager drafters (the same
+tokens; one compile per K fewer)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inkling_compiled import InklingMTP
 from inkling_compiled.runtime import Drafter, speculative_generate
-from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 
-from .e2e import count_hf_matches, prompt_batch
-from .harness import Context, Stats, error_text, fmt, progress, run_probe, samples_ms, table, yes
+from .e2e import generators, interleaved, load, prompt_batch
+from .harness import Context, Stats, error_text, fmt, progress, random_rows, run_probe, samples_ms, table, yes
 from .models import left_pad
 
 PADDED_BATCH = 4
@@ -32,7 +31,6 @@ class KSweepConfig:
     threads: int = 1
     cold_compile: tuple[int, ...] = ()  # the Ks whose drafter compiles in a fresh process
     hf_mtp: bool = True
-    batch4_compiled: bool = False  # the batch of 4 with compiled drafters too (as many compiles again)
     compiled: bool = True  # False: eager drafters everywhere (the same tokens; for tests)
 
 
@@ -78,13 +76,10 @@ def left_padded_batch(prompts: torch.Tensor, pad_token_id: int) -> tuple[torch.T
 def round_latency(drafter: Drafter, batch: int, rows: int, seconds: float) -> tuple[dict, float]:
     """(:class:`Stats` of the wall ms, median thread-CPU ms) of ``drafter.draft`` on ``rows`` new verified rows
     per round, positions advancing (starting over before the cache's end)."""
-    config, gen = drafter.model.config, torch.Generator().manual_seed(0)
-    calls, start = [], 0
+    gen, calls, start = torch.Generator().manual_seed(0), [], 0
     for _ in range(64):
         start = 0 if start + rows >= drafter.max_length else start
-        calls.append((torch.randint(3, config.logits_vocab_size, (batch, rows), generator=gen),
-                      torch.arange(start, start + rows)[None].expand(batch, rows).contiguous(),
-                      torch.randn(batch, rows, config.hidden_size, generator=gen)))
+        calls.append(random_rows(drafter.model, batch, start, rows, gen))
         start += rows
     cycle = itertools.cycle(calls)
 
@@ -97,110 +92,79 @@ def round_latency(drafter: Drafter, batch: int, rows: int, seconds: float) -> tu
     return Stats.of(wall), statistics.median(cpu)
 
 
-def _timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
-def _batch1(singles, ks, hf_mtp: bool, reference, alone, ours, transformers_mtp):
-    """Batch-1 seconds per method, our outputs (with whether they equal the target's), transformers' rounds."""
-    progress(f"ksweep: end to end, {len(singles)} prompt(s), methods interleaved")
-    seconds, outputs = dict.fromkeys(["target", "hf_mtp", *ks], 0.0), {k: [] for k in ks}
-    hf_rounds, hf_same = [], True
-    for i, p in enumerate(singles):
-        seconds["target"] += _timed(lambda p=p: alone(p))[1]
-        if hf_mtp:
-            (out, rounds), t = _timed(lambda p=p: transformers_mtp(p))
-            seconds["hf_mtp"] += t
-            hf_rounds += rounds
-            hf_same &= torch.equal(out, reference[i])
-        for k in ks:
-            out, t = _timed(lambda k=k, p=p: ours(k, p))
-            seconds[k] += t
-            outputs[k].append((out, torch.equal(out.sequences, reference[i])))
-    return seconds, outputs, hf_rounds, hf_same
-
-
 def run_ksweep(checkpoint, cfg: KSweepConfig | None = None, *, prompts: torch.Tensor | None = None,
                target_label: str = "") -> Depths:
     """The sweep on ``checkpoint`` (a distilled raw-layout directory), CPU fp32; Ks beyond its depths left out."""
     cfg = cfg or KSweepConfig()
     torch.set_num_threads(cfg.threads)
-    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
-    mtp = InklingMTP.from_pretrained(checkpoint, target=target)
+    target, mtp = load(checkpoint)
     ks = tuple(k for k in cfg.ks if k <= mtp.config.num_depths)
     if not ks:
         raise ValueError(f"none of K = {cfg.ks} fits the checkpoint's {mtp.config.num_depths} MTP depth(s)")
     prompts = prompt_batch(prompts, max(cfg.prompts, PADDED_BATCH), 8, mtp.config.logits_vocab_size, 0)
     singles = [prompts[i:i + 1] for i in range(cfg.prompts)]
     batch_ids, batch_mask = left_padded_batch(prompts, target.generation_config.pad_token_id or 0)
-    gconfig, gconfig_mtp = (greedy_generation_config(target, cfg.new_tokens) for _ in range(2))
-    gconfig_mtp.use_mtp = True
+    alone, transformers_mtp = generators(target, cfg.new_tokens)
     max_length = prompts.shape[1] + cfg.new_tokens + 8
-    b4_compiled = cfg.compiled and cfg.batch4_compiled
     drafters = {k: Drafter(mtp, 1, max_length, num_speculative_tokens=k, compile=cfg.compiled) for k in ks}
-    batch_drafters = {k: Drafter(mtp, PADDED_BATCH, max_length, num_speculative_tokens=k, compile=b4_compiled)
+    batch_drafters = {k: Drafter(mtp, PADDED_BATCH, max_length, num_speculative_tokens=k, compile=False)
                       for k in ks}
 
-    def alone(p, mask=None):
-        return target.generate(p, attention_mask=torch.ones_like(p) if mask is None else mask,
-                               generation_config=gconfig)
+    def ours(k, batch=False):
+        def run(ids, mask=None):
+            out = speculative_generate(target, (batch_drafters if batch else drafters)[k], ids, mask,
+                                       max_new_tokens=cfg.new_tokens)
+            return out.sequences, out
+        return run
 
-    def ours(k, p, mask=None, batch=False):
-        return speculative_generate(target, (batch_drafters if batch else drafters)[k], p, mask,
-                                    max_new_tokens=cfg.new_tokens)
-
-    def transformers_mtp(p):
-        with count_hf_matches() as rounds:
-            return target.generate(p, attention_mask=torch.ones_like(p), generation_config=gconfig_mtp), rounds
-
+    methods = {"target": alone, **({"hf_mtp": transformers_mtp} if cfg.hf_mtp else {}),
+               **{f"ours_compiled_k{k}": ours(k) for k in ks}}
+    figures = interleaved(methods, singles, "ksweep")  # batch 1; the warm-ups compile the drafters' windows
     with torch.no_grad():
-        progress("ksweep: warm-up of the target" + (" and transformers' MTP" if cfg.hf_mtp else ""))
-        reference, batch_reference = [alone(p) for p in singles], alone(batch_ids, batch_mask)
-        if cfg.hf_mtp:
-            transformers_mtp(singles[0])
-        compile_s = {}
-        for k in ks:
-            progress(f"ksweep: K={k} warm-up (compiles the drafter's windows)")
-            compile_s[k] = _timed(lambda k=k: ours(k, singles[0]))[1]
-            ours(k, batch_ids, batch_mask, batch=True)
-        seconds, outputs, hf_rounds, hf_same = _batch1(singles, ks, cfg.hf_mtp, reference, alone, ours,
-                                                       transformers_mtp)
         progress(f"ksweep: one left-padded batch of {PADDED_BATCH}, every K")
-        batch_target_s = _timed(lambda: alone(batch_ids, batch_mask))[1]
-        batched = {k: _timed(lambda k=k: ours(k, batch_ids, batch_mask, batch=True)) for k in ks}
+        padded, padded_s = {}, {}
+        for name, fn in {"target": alone, **{k: ours(k, batch=True) for k in ks}}.items():
+            fn(batch_ids, batch_mask)  # warm-up: the batch drafter's compiles
+            start = time.perf_counter()
+            padded[name] = fn(batch_ids, batch_mask)
+            padded_s[name] = time.perf_counter() - start
         progress("ksweep: draft-round latency")
         rounds_ms = {k: {"1": round_latency(drafters[k], 1, 1, cfg.round_seconds),
-                         "all": round_latency(drafters[k], 1, k + 1, cfg.round_seconds),
-                         **({str(PADDED_BATCH): round_latency(batch_drafters[k], PADDED_BATCH, 1, cfg.round_seconds)}
-                            if b4_compiled else {})} for k in ks}
+                         "all": round_latency(drafters[k], 1, k + 1, cfg.round_seconds)} for k in ks}
+    reference = [out for out, _ in figures["target"]["outputs"]]
+    seconds = {name: f["seconds"] for name, f in figures.items()}
+
+    def same(name: str) -> bool:
+        return all(torch.equal(out, ref) for (out, _), ref in zip(figures[name]["outputs"], reference))
+
     tokens, batch_tokens = len(singles) * cfg.new_tokens, PADDED_BATCH * cfg.new_tokens
     record = Depths(target_label or f"distilled checkpoint {checkpoint}", str(checkpoint), len(singles),
-                    prompts.shape[1], cfg.new_tokens, tokens / seconds["target"], batch_tokens / batch_target_s)
+                    prompts.shape[1], cfg.new_tokens, tokens / seconds["target"], batch_tokens / padded_s["target"])
     if cfg.hf_mtp:
         depths = target.config.get_text_config().num_mtp_layers
-        per_position, per_round = hf_acceptance(hf_rounds, depths)
+        per_position, per_round = hf_acceptance([r for _, rounds in figures["hf_mtp"]["outputs"] for r in rounds],
+                                                depths)
         record.hf_mtp = {"k": depths, "tokens_per_s": tokens / seconds["hf_mtp"],
                          "speedup_vs_target": seconds["target"] / seconds["hf_mtp"], "mean_accepted_length": per_round,
-                         "acceptance_per_position": per_position, "outputs_match_target": hf_same}
+                         "acceptance_per_position": per_position, "outputs_match_target": same("hf_mtp")}
     for k in ks:
-        pooled, (out, t) = pooled_acceptance([o for o, _ in outputs[k]]), batched[k]
-        padded = pooled_acceptance([out])
+        name = f"ours_compiled_k{k}"
+        pooled = pooled_acceptance([out for _, out in figures[name]["outputs"]])
+        batched = pooled_acceptance([padded[k][1]])
         record.ours[str(k)] = {
-            "k": k, "tokens_per_s": tokens / seconds[k], "speedup_vs_target": seconds["target"] / seconds[k],
-            "speedup_vs_hf_mtp": seconds["hf_mtp"] / seconds[k] if cfg.hf_mtp else None,
+            "k": k, "tokens_per_s": tokens / seconds[name], "speedup_vs_target": seconds["target"] / seconds[name],
+            "speedup_vs_hf_mtp": seconds["hf_mtp"] / seconds[name] if cfg.hf_mtp else None,
             "mean_accepted_length": pooled["mean_accepted_length"],
-            "acceptance_per_position": pooled["acceptance_per_position"],
-            "outputs_match_target": all(same for _, same in outputs[k]),
+            "acceptance_per_position": pooled["acceptance_per_position"], "outputs_match_target": same(name),
             "draft_round_ms": {b: r[0] for b, r in rounds_ms[k].items() if b != "all"},
             "draft_round_cpu_ms": {b: r[1] for b, r in rounds_ms[k].items() if b != "all"},
-            "draft_round_all_accepted_ms": rounds_ms[k]["all"][0], "compile_s": compile_s[k], "cold_compile": None,
-            "batch4": {"compiled": b4_compiled, "tokens_per_s": batch_tokens / t,
-                       "speedup_vs_target": batch_target_s / t,
-                       **{key: padded[key] for key in ("mean_accepted_length", "acceptance_per_position",
-                                                       "per_sequence_accepted_length")},
-                       "outputs_match_target": torch.equal(out.sequences, batch_reference)}}
+            "draft_round_all_accepted_ms": rounds_ms[k]["all"][0], "compile_s": figures[name]["warmup_s"],
+            "cold_compile": None,
+            "batch4": {"tokens_per_s": batch_tokens / padded_s[k],
+                       "speedup_vs_target": padded_s["target"] / padded_s[k],
+                       **{key: batched[key] for key in ("mean_accepted_length", "acceptance_per_position",
+                                                        "per_sequence_accepted_length")},
+                       "outputs_match_target": torch.equal(padded[k][0], padded["target"][0])}}
     _cold_compiles(record, checkpoint, [k for k in cfg.cold_compile if str(k) in record.ours], cfg.threads)
     return record
 
@@ -225,10 +189,9 @@ def _cold_compiles(record: Depths, checkpoint, ks: list[int], threads: int) -> N
 
 def measure(ctx: Context) -> Depths:
     s, target = ctx.settings, ctx.e2e_target()
-    probed = (s.ks if s.full_sweep else sorted({min(s.ks), max(s.ks)})) if s.runs("kcompile") else ()
+    probed = sorted({min(s.ks), max(s.ks)}) if s.runs("kcompile") else ()
     cfg = KSweepConfig(ks=s.ks, prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, round_seconds=s.k_seconds,
-                       threads=s.threads, cold_compile=tuple(probed), hf_mtp=s.runs("peer"),
-                       batch4_compiled=s.full_sweep)
+                       threads=s.threads, cold_compile=tuple(probed), hf_mtp=s.runs("peer"))
     return run_ksweep(target.checkpoint, cfg, prompts=target.prompts, target_label=target.label)
 
 
@@ -242,9 +205,8 @@ def lines(depths: dict) -> list[str]:
               f"{hf['mean_accepted_length']:.2f} tok/round, per position "
               f"{' '.join(f'{a:.2f}' for a in hf['acceptance_per_position'])}" if hf else "")]
     points = list(depths["ours"].values())
-    b4_kind = "compiled" if points and points[0]["batch4"]["compiled"] else "eager"
     rows = [["K", "tok/s", "vs target", "vs hf", "accepted len", "acceptance per position", "same",
-             f"b{PADDED_BATCH} tok/s ({b4_kind})", "vs target", "len (batch / per seq)", "same"]]
+             f"b{PADDED_BATCH} tok/s (eager)", "vs target", "len (batch / per seq)", "same"]]
     for p in points:
         b4 = p["batch4"]
         rows.append([str(p["k"]), f"{p['tokens_per_s']:.1f}", f"{p['speedup_vs_target']:.2f}x",
@@ -254,11 +216,10 @@ def lines(depths: dict) -> list[str]:
                      f"{b4['mean_accepted_length']:.2f} / {b4['per_sequence_accepted_length']:.2f}",
                      yes(b4["outputs_match_target"])])
     out += table(rows, "  ")
-    rows = [["K", "draft round ms b1 (cpu)", f"b{PADDED_BATCH} (cpu)", "b1 all accepted", "first calls s",
+    rows = [["K", "draft round ms b1 (cpu)", "b1 all accepted", "first calls s",
              "cold compile cpu s (wall)", "x first K", "graphs", "recompiles / 64 rounds"]]
     for p in points:
         r, cpu, cold = p["draft_round_ms"], p["draft_round_cpu_ms"], p["cold_compile"] or {}
-        rounds = [f"{r[b]['median_ms']:.2f} ({cpu[b]:.2f})" if b in r else "-" for b in ("1", str(PADDED_BATCH))]
         if "error" in cold:
             compiled = ["FAILED", "-", "-", "-"]
         elif cold:
@@ -266,7 +227,8 @@ def lines(depths: dict) -> list[str]:
                         str(cold["graphs"]), str(cold["recompiles_over_64_rounds"])]
         else:
             compiled = ["-"] * 4
-        rows.append([str(p["k"]), *rounds, f"{p['draft_round_all_accepted_ms']['median_ms']:.2f}",
+        rows.append([str(p["k"]), f"{r['1']['median_ms']:.2f} ({cpu['1']:.2f})",
+                     f"{p['draft_round_all_accepted_ms']['median_ms']:.2f}",
                      fmt(p["compile_s"], ".1f"), *compiled])
     out += table(rows, "  ")
     out.append("  cold compile: K and K + 1-row windows, batch 1, each K in a fresh process; accepted len: tokens per "

@@ -17,23 +17,10 @@ from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_mtp, l
 from inkling_compiled.training.distill import distill
 
 FULL_OVERRIDES = dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2)
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}") from None
 
 
 def preset_overrides(preset: str) -> dict:
     return dict(FULL_OVERRIDES) if preset == "full" else {}
-
-
-def default_weights(preset: str) -> str:
-    return "random" if preset == "full" else "checkpoint"
 
 
 @dataclass
@@ -85,18 +72,23 @@ def _random_models(preset: str, device: torch.device, dtype: torch.dtype, peer: 
 
 
 def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str | None = None, peer: bool = True,
-                seed: int = 0, progress=None) -> Models:
+                seed: int = 0) -> Models:
     """Build ``preset``'s models on ``device`` in ``dtype`` (see module doc); ``peer=False`` skips transformers."""
     device = torch.device(device)
-    weights = weights or default_weights(preset)
+    weights = weights or ("random" if preset == "full" else "checkpoint")
     if weights == "random":
         return _random_models(preset, device, dtype, peer, seed)
     if weights != "checkpoint":
         raise ValueError(f"weights must be 'checkpoint' or 'random', got {weights!r}")
-    if progress:
-        progress(f"{preset}: synthetic checkpoint (generated once, cached)")
     path = cached_checkpoint(preset, seed=seed, **preset_overrides(preset))
-    return load_checkpoint_models(path, preset=preset, device=device, dtype=dtype, peer=peer)
+    target = hf_mtp = None
+    if peer:
+        target = load_hf_target(path, dtype=dtype).to(device).requires_grad_(False)
+        hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype).requires_grad_(False)
+        mtp = InklingMTP.from_pretrained(path, target=target)
+    else:
+        mtp = InklingMTP.from_pretrained(path, dtype=dtype, device=device)
+    return Models(preset, "checkpoint", device, dtype, mtp.eval(), target, hf_mtp, path)
 
 
 def distilled(preset: str = "tiny8", steps: int | None = None) -> Path:
@@ -112,18 +104,3 @@ def left_pad(prompts: list[torch.Tensor], pad_token_id: int = 0) -> tuple[torch.
     for b, p in enumerate(prompts):
         ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
     return ids, mask
-
-
-def load_checkpoint_models(path, *, preset: str = "custom", device="cpu", dtype=torch.float32,
-                           peer: bool = True) -> Models:
-    """Models from a raw-layout checkpoint directory (e.g. a distilled one)."""
-    device = torch.device(device)
-    path = Path(path)
-    target = hf_mtp = None
-    if peer:
-        target = load_hf_target(path, dtype=dtype).to(device).requires_grad_(False)
-        hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype).requires_grad_(False)
-        mtp = InklingMTP.from_pretrained(path, target=target)
-    else:
-        mtp = InklingMTP.from_pretrained(path, dtype=dtype, device=device)
-    return Models(preset, "checkpoint", device, dtype, mtp.eval(), target, hf_mtp, path)

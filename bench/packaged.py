@@ -21,6 +21,7 @@ from . import step as S
 from .harness import Context, error_text, progress, ratios, run_probe, table, time_variants
 from .models import Models
 
+K = 1  # the packaged drafter drafts one token per round: the draft step the latency section times
 RATIOS = {"packaged_vs_compiled_draft": ("compiled", "packaged"),
           "packaged_vs_compiled_call": ("compiled_call", "packaged_call"),
           "packaged_vs_compiled_graph": ("cudagraph", "packaged_cudagraph"),
@@ -46,16 +47,10 @@ class Packaged:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def make_drafter(models: Models, k: int, batch: int, max_length: int, *, compile: bool) -> Drafter:
-    """K depths, the K-row window of one new row as the only graph bucket."""
-    return Drafter(models.mtp, batch, max_length, num_speculative_tokens=k, graph_rows=(k,), compile=compile,
-                   compile_options=S.compile_options(passes=True, fresh=False) if compile else None)
-
-
-def cached_package(models: Models, k: int, batch: int, max_length: int) -> tuple[Path, dict] | None:
+def cached_package(models: Models, batch: int, max_length: int) -> tuple[Path, dict] | None:
     """The package an earlier default run left in the cache, if this torch, these passes and this model still
     accept it (``Drafter.load_compiled`` checks them): (its directory, its build record)."""
-    directory = package_cache(models, k, batch, max_length)
+    directory = package_cache(models, batch, max_length)
     try:
         Drafter.load_compiled(directory, models.mtp)
         return directory, json.loads((directory / "bench.json").read_text())
@@ -63,14 +58,14 @@ def cached_package(models: Models, k: int, batch: int, max_length: int) -> tuple
         return None
 
 
-def package_cache(models: Models, k: int, batch: int, max_length: int) -> Path:
-    return default_cache_root().parent / "bench-packages" / f"{models.checkpoint.name}-k{k}-b{batch}-l{max_length}"
+def package_cache(models: Models, batch: int, max_length: int) -> Path:
+    return default_cache_root().parent / "bench-packages" / f"{models.checkpoint.name}-k{K}-b{batch}-l{max_length}"
 
 
-def build_package(models: Models, k: int, batch: int, max_length: int, directory: Path) -> dict:
+def build_package(models: Models, batch: int, max_length: int, directory: Path) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     start = time.perf_counter()
-    make_drafter(models, k, batch, max_length, compile=True).save_compiled(directory, batch_sizes=(batch,), rows=(k,))
+    S.make_drafter(models, batch, max_length, compile=True).save_compiled(directory, batch_sizes=(batch,), rows=(K,))
     save_s = time.perf_counter() - start
     manifest = json.loads((directory / "manifest.json").read_text())
     steps = {name: {"seconds": step["seconds"], "matches": step["matches"],
@@ -96,16 +91,14 @@ def startup(base: dict, modes: tuple[str, ...], timeout: float) -> dict[str, dic
     return rows
 
 
-def latency(models: Models, k: int, batch: int, context: int, max_length: int, package: Path,
-            budget_s: float) -> dict:
+def latency(models: Models, batch: int, context: int, max_length: int, package: Path, budget_s: float) -> dict:
     """Every variant timed together; whether the packaged drafts equal the compiled ones."""
     inputs = S.make_inputs(models, batch, context)
-    drafters = {"eager": make_drafter(models, k, batch, max_length, compile=False),
-                "compiled": make_drafter(models, k, batch, max_length, compile=True),
+    drafters = {"eager": S.make_drafter(models, batch, max_length, compile=False),
+                "compiled": S.make_drafter(models, batch, max_length, compile=True),
                 "packaged": Drafter.load_compiled(package, models.mtp, cuda_graphs=False)}
     if models.device.type == "cuda":
-        drafters["cudagraph"] = Drafter(models.mtp, batch, max_length, num_speculative_tokens=k, graph_rows=(k,),
-                                        cuda_graphs=True)
+        drafters["cudagraph"] = S.make_drafter(models, batch, max_length, compile=True, cuda_graphs=True)
         drafters["packaged_cudagraph"] = Drafter.load_compiled(package, models.mtp, cuda_graphs=True)
     variants, drafts = {}, {}
     for name, drafter in drafters.items():
@@ -115,36 +108,36 @@ def latency(models: Models, k: int, batch: int, context: int, max_length: int, p
     if models.device.type == "cpu":
         for name in ("compiled", "packaged"):
             variants[f"{name}_call"] = drafters[name].static_step(*inputs.positions.shape)
-    if k == 1 and models.hf_mtp is not None:
+    if models.hf_mtp is not None:
         variants["hf_eager"] = S.HFStep(models, inputs)
-    variants["gemm_floor"], _ = S.gemm_floor(models, drafters["eager"], inputs)
+    variants["gemm_floor"] = S.gemm_floor(models, drafters["eager"], inputs)
     progress(f"packaged: timing {', '.join(variants)}")
     stats = time_variants(variants, device=models.device, budget_s=budget_s)
-    return {"batch": batch, "context": context, "k": k, "variants": stats,
+    return {"batch": batch, "context": context, "k": K, "variants": stats,
             "same_drafts": {name: bool(torch.equal(d, drafts["compiled"])) for name, d in drafts.items()}}
 
 
-def measure(ctx: Context, k: int = 1) -> Packaged:
+def measure(ctx: Context) -> Packaged:
     s, models = ctx.settings, ctx.models()
     if models.checkpoint is None:
         raise ValueError(f"the packaged section starts fresh processes from a checkpoint; {ctx.preset} has random "
                          "weights here (--weights checkpoint)")
     batch = s.batch_sizes[0]
-    record = Packaged(ctx.preset, k, batch, s.context, s.device, s.dtype, s.threads)
+    record = Packaged(ctx.preset, K, batch, s.context, s.device, s.dtype, s.threads)
     work = Path(tempfile.mkdtemp(prefix="inkling-bench-packaged-"))
-    found = None if s.full else cached_package(models, k, batch, s.max_length)  # --full always builds afresh
-    package = found[0] if found else package_cache(models, k, batch, s.max_length) if not s.full else work / "p"
-    base = {"checkpoint": str(models.checkpoint), "device": s.device, "dtype": s.dtype, "batch": batch, "k": k,
+    found = None if s.full else cached_package(models, batch, s.max_length)  # --full always builds afresh
+    package = found[0] if found else package_cache(models, batch, s.max_length) if not s.full else work / "p"
+    base = {"checkpoint": str(models.checkpoint), "device": s.device, "dtype": s.dtype, "batch": batch, "k": K,
             "context": s.context, "max_length": s.max_length, "threads": s.threads, "package": str(package)}
     modes = ("package", "cold", "warm") if s.runs("startup_compile") else ("package",)
     parts = {"package": (lambda: {**found[1], "cached": str(package)}) if found else
-             (lambda: build_package(models, k, batch, s.max_length, package)),
+             (lambda: build_package(models, batch, s.max_length, package)),
              "startup": lambda: startup(base, modes, s.probe_timeout)}
     if s.runs("packaged_latency"):
-        parts["latency"] = lambda: latency(models, k, batch, s.context, s.max_length, package, s.time_budget)
+        parts["latency"] = lambda: latency(models, batch, s.context, s.max_length, package, s.time_budget)
     try:
         for part, run in parts.items():
-            progress(f"packaged: {ctx.preset} K={k} b{batch}: {part}")
+            progress(f"packaged: {ctx.preset} b{batch}: {part}")
             try:
                 setattr(record, part, run())
             except Exception as e:  # noqa: BLE001 - report it, keep what the other parts measured

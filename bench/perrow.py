@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from inkling_compiled import InklingMTP
 from inkling_compiled.runtime import Drafter, speculative, speculative_generate
 from inkling_compiled.runtime.target_cache import rollback_rows
-from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 
+from .e2e import generators, load
 from .harness import Context, fmt, progress, table, yes
 from .models import left_pad
 
@@ -45,10 +44,6 @@ def _prompts(vocab: int, cfg: PerRowConfig) -> list[torch.Tensor]:
 
 def _groups(prompts, batch: int):
     return [left_pad(prompts[i:i + batch]) for i in range(0, len(prompts), batch)]
-
-
-def _continuations(out, mask) -> list[list[int]]:
-    return out.sequences[:, mask.shape[1]:].tolist()
 
 
 @contextlib.contextmanager
@@ -119,19 +114,18 @@ def run_perrow(checkpoint, cfg: PerRowConfig | None = None) -> PerRow:
     CPU fp32."""
     cfg = cfg or PerRowConfig()
     torch.set_num_threads(cfg.threads)
-    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
-    mtp = InklingMTP.from_pretrained(checkpoint, target=target)
+    target, mtp = load(checkpoint)
     prompts = _prompts(mtp.config.logits_vocab_size, cfg)
-    gconfig = greedy_generation_config(target, cfg.new_tokens)
+    alone, _ = generators(target, cfg.new_tokens)
     record = PerRow(str(checkpoint), dict(cfg.__dict__))
     with torch.no_grad():
         progress("perrow: the target alone")
         reference = None
         for batch in cfg.batches:
             groups = _groups(prompts, batch)
-            target.generate(groups[0][0], attention_mask=groups[0][1], generation_config=gconfig)  # warm-up
+            alone(*groups[0])  # warm-up
             start = time.perf_counter()
-            outputs = [target.generate(ids, attention_mask=mask, generation_config=gconfig) for ids, mask in groups]
+            outputs = [alone(ids, mask)[0] for ids, mask in groups]
             record.target[batch] = {"tokens_per_s": len(prompts) * cfg.new_tokens / (time.perf_counter() - start)}
             if reference is None:  # greedy generate: the tokens every configuration must reproduce
                 reference = [c for out, (_, mask) in zip(outputs, groups) for c in out[:, mask.shape[1]:].tolist()]
@@ -170,7 +164,7 @@ def _batch(target, drafter: Drafter, groups, reference, cfg: PerRowConfig) -> di
             seconds[mode] += time.perf_counter() - start
     row = {}
     for mode, outs in outputs.items():
-        tokens = [c for out, (_, mask) in zip(outs, groups) for c in _continuations(out, mask)]
+        tokens = [c for out, (_, mask) in zip(outs, groups) for c in out.sequences[:, mask.shape[1]:].tolist()]
         row[mode] = {"tokens_per_forward": sum(sum(o.emitted_per_round) for o in outs) / (sum(
                          o.num_drafted for o in outs) // k),
                      "target_forwards": sum(o.num_rounds + 1 for o in outs),

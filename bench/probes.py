@@ -12,7 +12,7 @@ from inkling_compiled import InklingMTP
 from inkling_compiled import passes as ic_passes
 from inkling_compiled.runtime import Drafter
 
-from .harness import cpu_seconds
+from .harness import cpu_seconds, random_rows
 
 
 def _times() -> dict[str, float]:
@@ -31,29 +31,17 @@ def split_compile_times(times: dict[str, float]) -> dict:
             "inductor_s": times.get("compile_fx_inner", 0.0), "breakdown_s": {k: times[k] for k in keep if k in times}}
 
 
-def _rows(mtp: InklingMTP, batch: int, start: int, rows: int, gen: torch.Generator):
-    """Random rows start..start+rows-1 (real ids, unit-scale hiddens) on the model's device."""
-    ids = torch.randint(3, mtp.config.logits_vocab_size, (batch, rows), generator=gen)
-    positions = torch.arange(start, start + rows)[None].expand(batch, rows).contiguous()
-    hidden = torch.randn(batch, rows, mtp.config.hidden_size, generator=gen)
-    return ids.to(mtp.device), positions.to(mtp.device), hidden.to(device=mtp.device, dtype=mtp.dtype)
-
-
 def step_compile(args: dict) -> dict:
     """Cold or warm (by the cache dir the parent gives) compile of the one-token draft step: the first call split
     into Dynamo / backend, the FX graph cache counters, recompiles over ``steps`` steps at advancing positions and,
     on CUDA, the CUDA-graph capture."""
-    from .models import load_checkpoint_models, load_models, parse_dtype  # the model builders: transformers' too
+    from .models import load_models  # the model builders: transformers' too
     from .step import make_drafter, make_inputs, prefill, step_fn
 
     import_s, start = time.time() - args["spawned_at"], time.perf_counter()
     torch.set_num_threads(int(args["threads"]))
-    device, dtype = torch.device(args["device"]), parse_dtype(args["dtype"])
-    if args["checkpoint"]:
-        models = load_checkpoint_models(args["checkpoint"], preset=args["preset"], device=device, dtype=dtype,
-                                        peer=False)
-    else:
-        models = load_models(args["preset"], device=device, dtype=dtype, weights=args["weights"], peer=False)
+    device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
+    models = load_models(args["preset"], device=device, dtype=dtype, weights=args["weights"], peer=False)
     batch, max_length = int(args["batch"]), int(args["max_length"])
     inputs = make_inputs(models, batch, int(args["context"]))
     load_s = time.perf_counter() - start
@@ -106,7 +94,7 @@ def k_compile(args: dict) -> dict:
     gen, start = torch.Generator().manual_seed(1), 0
     for i in range(64):
         rows = i % (k + 1) + 1
-        drafter.draft(*_rows(mtp, 1, start, rows, gen), validate=False)
+        drafter.draft(*random_rows(mtp, 1, start, rows, gen), validate=False)
         start += rows
     return {"wall_s": wall, "cpu_s": cpu, "graphs": graphs, "matches": ic_passes.match_counts(),
             "recompiles_over_64_rounds": counters["stats"]["unique_graphs"] - graphs}
@@ -124,7 +112,7 @@ def startup(args: dict) -> dict:
     else:
         drafter = Drafter(mtp, batch, int(args["max_length"]), num_speculative_tokens=k, graph_rows=(k,))
     t_ready = time.perf_counter()
-    ids, positions, hidden = _rows(mtp, batch, 0, context + 1, torch.Generator().manual_seed(0))
+    ids, positions, hidden = random_rows(mtp, batch, 0, context + 1, torch.Generator().manual_seed(0))
     with torch.no_grad():
         mtp(ids[:, :-1], positions[:, :-1], hidden[:, :-1], cache=drafter.cache, depth=0)
     t_prefill = time.perf_counter()

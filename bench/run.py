@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import functools
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -22,7 +24,7 @@ import transformers
 
 from . import compile_time, e2e, ksweep, multimodal, packaged, perrow, plots, quant, report, step
 from .harness import OPT_IN, Context, Settings, error_text, plain, probe_main, progress, write_json
-from .models import load_models, parse_dtype
+from .models import load_models
 
 SCHEMA_ID = "inkling-bench/3"
 BENCH_DIR = Path(__file__).resolve().parent
@@ -71,14 +73,11 @@ def cpu_name() -> str:
 
 
 def machine_info(threads: int) -> dict:
-    try:
-        import triton  # optional: the GPU's kernels
-    except ImportError:
-        triton = None
+    triton = importlib.util.find_spec("triton") and importlib.metadata.version("triton")  # optional: GPU kernels
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu_name(), "cores": os.cpu_count() or 1, "gpu": gpu, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(), "threads": threads,
-            "platform": platform.platform(), "triton": triton.__version__ if triton else None}
+            "platform": platform.platform(), "triton": triton or None}
 
 
 # ------------------------------------------------------------------------------------------------ the command line
@@ -111,9 +110,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--with", dest="with_", default="", metavar="SECTIONS",
                    help="opt-in sections to run: " + "; ".join(f"{n} (off for {', '.join(sorted(v))})"
                                                              for n, v in OPT_IN.items()))
-    p.add_argument("--config", default="tiny", help="synthetic preset(s) for the step sections: tiny, small, full")
+    p.add_argument("--config", dest="configs", default="tiny",
+                   help="synthetic preset(s) for the step sections: tiny, small, full")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes of the latency section")
     p.add_argument("--context", type=int, default=64, help="rows prefilled before the timed step")
     p.add_argument("--max-length", type=int, default=None, help="draft cache capacity (default context + 64)")
@@ -133,59 +134,43 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distill-steps", type=int, default=None, help="self-distillation steps of the synthetic target")
     p.add_argument("--ks", default="1,2,4,8", help="K values of the K sweep (beyond the target's depths: left out)")
     p.add_argument("--k-seconds", type=float, default=None, help="seconds of draft-round timing per K and window")
-    p.add_argument("--full-sweep", action="store_true", help="the K sweep's batch of 4 compiled too, and a cold "
-                   "compile probe for every K")
     p.add_argument("--json", dest="json_path", default=None, help="where the JSON goes (default: bench/out/)")
     p.add_argument("--record", nargs="?", const=str(RESULTS_MD), default=None, metavar="FILE",
                    help="append an entry to bench/RESULTS.md (or FILE)")
 
 
-def settings(p: argparse.ArgumentParser, a: argparse.Namespace) -> Settings:
-    section_names = [s.name for s in SECTIONS]
-    skip = _names(p, "--skip", a.skip, [*section_names, *PARTS])
-    with_ = _names(p, "--with", a.with_, list(OPT_IN))
-    if with_ & skip:
-        p.error(f"section(s) both skipped and asked for with --with: {sorted(with_ & skip)}")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda but torch.cuda.is_available() is False")
-    max_length = a.max_length or a.context + 64
-    if max_length <= a.context + 1:
-        p.error(f"--max-length must exceed --context + 1, got {max_length} with --context {a.context}")
-    level = 0 if a.quick else 2 if a.full else 1
-    counts = {k: getattr(a, k) if getattr(a, k) is not None else v[level] for k, v in COUNTS.items()}
-    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
-    return Settings(
-        configs=tuple(c.strip() for c in a.config.split(",") if c.strip()), device=a.device,
-        dtype=a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"),
-        batch_sizes=_positive_ints(p, "--batch-sizes", a.batch_sizes), context=a.context, max_length=max_length,
-        weights=a.weights, threads=a.threads or (1 if a.device == "cpu" else torch.get_num_threads()), skip=skip,
-        only=_names(p, "--only", a.only, section_names), with_=with_,
-        full=a.full, quick=a.quick, probe_timeout=a.probe_timeout, e2e_target=a.e2e_target,
-        e2e_ks=_positive_ints(p, "--e2e-ks", a.e2e_ks), ks=_positive_ints(p, "--ks", a.ks), full_sweep=a.full_sweep,
-        distill_steps=a.distill_steps, e2e_checkpoint=Path(a.e2e_checkpoint) if a.e2e_checkpoint else None,
-        json_path=Path(a.json_path) if a.json_path else OUT_DIR / f"bench-{stamp}.json",
-        record=Path(a.record) if a.record else None, **counts)
-
-
 def parse_args(argv=None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m bench run")
     add_run_options(p)
-    return settings(p, p.parse_args(argv))
+    s = p.parse_args(argv, namespace=Settings())
+    section_names = [section.name for section in SECTIONS]
+    s.skip = _names(p, "--skip", s.skip, [*section_names, *PARTS])
+    s.with_ = _names(p, "--with", s.with_, list(OPT_IN))
+    s.only = _names(p, "--only", s.only, section_names)
+    if s.with_ & s.skip:
+        p.error(f"section(s) both skipped and asked for with --with: {sorted(s.with_ & s.skip)}")
+    if s.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False")
+    s.max_length = s.max_length or s.context + 64
+    if s.max_length <= s.context + 1:
+        p.error(f"--max-length must exceed --context + 1, got {s.max_length} with --context {s.context}")
+    level = 0 if s.quick else 2 if s.full else 1
+    for name, counts in COUNTS.items():
+        setattr(s, name, counts[level] if getattr(s, name) is None else getattr(s, name))
+    for flag in ("--batch-sizes", "--e2e-ks", "--ks"):
+        name = flag[2:].replace("-", "_")
+        setattr(s, name, _positive_ints(p, flag, getattr(s, name)))
+    s.configs = tuple(c.strip() for c in s.configs.split(",") if c.strip())
+    s.dtype = s.dtype or ("bfloat16" if s.device.startswith("cuda") else "float32")
+    s.threads = s.threads or (1 if s.device == "cpu" else torch.get_num_threads())
+    s.e2e_checkpoint = Path(s.e2e_checkpoint) if s.e2e_checkpoint else None
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
+    s.json_path = Path(s.json_path) if s.json_path else OUT_DIR / f"bench-{stamp}.json"
+    s.record = Path(s.record) if s.record else None
+    return s
 
 
 # ------------------------------------------------------------------------------------------------ the runner
-
-def _selected(s: Settings) -> list[Section]:
-    chosen = []
-    for section in SECTIONS:
-        if s.only and section.name not in s.only or section.name in s.skip:
-            continue
-        if section.cpu_only and s.device != "cpu":
-            progress(f"{section.name}: runs on CPU only; left out on this device")
-            continue
-        chosen.append(section)
-    return chosen
-
 
 def run(argv=None) -> dict:
     """Parse ``argv``, run every section selected, print / write / record the results; returns the result."""
@@ -214,7 +199,12 @@ def _run(s: Settings, given: list[str]) -> dict:
     save()
     progress(f"results go to {s.json_path} (rewritten after every section)")
     target = functools.cache(lambda: e2e.build_target(s))
-    for section in _selected(s):
+    for section in SECTIONS:
+        if s.only and section.name not in s.only or section.name in s.skip:
+            continue
+        if section.cpu_only and s.device != "cpu":
+            progress(f"{section.name}: runs on CPU only; left out on this device")
+            continue
         for preset in s.configs if section.per_config else (None,):
             if s.runs(section.name, preset):
                 _section(s, section, preset, result, target, save)
@@ -232,7 +222,7 @@ def _run(s: Settings, given: list[str]) -> dict:
 @functools.cache
 def _models(preset: str, device: str, dtype: str, weights: str | None, peer: bool):
     progress(f"{preset}: loading models ({weights or 'default'} weights, {device}, {dtype})")
-    return load_models(preset, device=device, dtype=parse_dtype(dtype), weights=weights, peer=peer)
+    return load_models(preset, device=device, dtype=getattr(torch, dtype), weights=weights, peer=peer)
 
 
 def _section(s: Settings, section: Section, preset: str | None, result: dict, target, save) -> None:
@@ -305,7 +295,7 @@ def report_command(a: argparse.Namespace) -> int:
     out = a.out or a.result.with_suffix(".png")
     try:
         drawn = plots.draw_report(result, out)
-    except plots.MatplotlibMissing:
+    except ImportError:  # matplotlib, the plots extra
         raise SystemExit(plots.MISSING_HINT.format(json=a.result)) from None
     except OSError as e:
         raise SystemExit(f"cannot write {out}: {e.strerror or e}; choose another place with --out") from None

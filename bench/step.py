@@ -17,8 +17,8 @@ from inkling_compiled.model import torchao_schemes
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.kernel_stats import kernel_stats
 
-from .floor import GemmFloor, record_gemms, summarize
-from .harness import Context, Stats, fmt, ms, progress, ratios, samples_ms, table, time_variants
+from .floor import GemmFloor, record_gemms
+from .harness import Context, Stats, error_text, fmt, ms, progress, random_rows, ratios, table, time_variants
 from .models import Models
 
 LABELS = {
@@ -43,12 +43,8 @@ class StepInputs:
 
 
 def make_inputs(models: Models, batch: int, context: int, seed: int = 0) -> StepInputs:
-    """Random real ids and unit-scale hiddens: the step's cost does not depend on their values."""
-    c, dev = models.config, models.device
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, c.logits_vocab_size, (batch, context + 1), generator=gen).to(dev)
-    hidden = torch.randn(batch, context + 1, c.hidden_size, generator=gen).to(device=dev, dtype=models.dtype)
-    positions = torch.arange(context + 1, device=dev)[None].expand(batch, -1).contiguous()
+    """``context`` rows to prefill and one new row: the step's cost does not depend on their values."""
+    ids, positions, hidden = random_rows(models.mtp, batch, 0, context + 1, torch.Generator().manual_seed(seed))
     return StepInputs(ids[:, :context], positions[:, :context], hidden[:, :context],
                       ids[:, context:], positions[:, context:], hidden[:, context:])
 
@@ -60,11 +56,6 @@ def generated_code():
     sources: list[str] = []
     with mock.patch.object(GraphLowering, "save_output_code", lambda code: sources.append(code)):
         yield sources
-
-
-def kernel_summary(code: list[str]) -> dict:
-    """Kernel definitions and launches of the compiled step's wrapper(s) (docs/compile.md §6)."""
-    return {**kernel_stats(code).to_dict(), "graphs": len(code)}
 
 
 def compile_options(passes: bool, fresh: bool) -> dict:
@@ -117,7 +108,8 @@ def build_compiled(models: Models, inputs: StepInputs, max_length: int, *, passe
             torch.cuda.synchronize()
         first = time.perf_counter() - start
     after = ic_passes.match_counts()
-    return CompiledVariant(drafter, first, kernel_summary(code), {k: after[k] - before.get(k, 0) for k in after})
+    kernels = {**kernel_stats(code).to_dict(), "graphs": len(code)}  # of the wrapper(s), docs/compile.md §6
+    return CompiledVariant(drafter, first, kernels, {k: after[k] - before.get(k, 0) for k in after})
 
 
 class HFStep:
@@ -162,14 +154,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted), median of CUDA-event timings."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    seconds = Stats.of(samples_ms(lambda: dst.copy_(src), device, 0.5)).median_ms / 1e3
+    seconds = time_variants({"copy": lambda: dst.copy_(src)}, device=device, budget_s=0.5)["copy"].median_ms / 1e3
     return 2 * nbytes / seconds
 
 
-def gemm_floor(models: Models, eager: Drafter, inputs: StepInputs) -> tuple[GemmFloor, list[dict]]:
-    """The eager step's GEMMs recorded and replayed alone, and their summary."""
-    gemms, _ = record_gemms(step_fn(eager, inputs), models.mtp.parameters())
-    return GemmFloor(gemms, models.device), summarize(gemms)
+def gemm_floor(models: Models, eager: Drafter, inputs: StepInputs) -> GemmFloor:
+    """The eager step's GEMMs recorded and replayed alone."""
+    return GemmFloor(record_gemms(step_fn(eager, inputs), models.mtp.parameters())[0], models.device)
 
 
 # ------------------------------------------------------------------------------------------------ the section
@@ -202,36 +193,38 @@ def measure(ctx: Context) -> Latency:
     record = Latency()
     for i, batch in enumerate(s.batch_sizes):
         kernels = {} if i == 0 and s.runs("kernels") and s.runs("compiled") else None
-        record.batches[str(batch)] = _batch(ctx, models, batch, copy_bw, kernels, record)
+        record.batches[str(batch)] = StepLatency(batch, s.context)
+        _batch(ctx, models, record, record.batches[str(batch)], copy_bw, kernels)
         record.kernels = record.kernels or kernels
         ctx.publish(record)
     return record
 
 
-def _batch(ctx: Context, models: Models, batch: int, copy_bw: float | None, kernels: dict | None,
-           record: Latency) -> StepLatency:
+def _batch(ctx: Context, models: Models, record: Latency, entry: StepLatency, copy_bw: float | None,
+           kernels: dict | None) -> None:
     """The variants without CUDA graphs timed and published first; then the CUDA-graph variant, when it builds,
     timed again with all the others, so one entry's figures always come from one interleaved run."""
-    s, tag = ctx.settings, f"{models.preset} b{batch}"
-    entry = StepLatency(batch, s.context)
-    inputs = make_inputs(models, batch, s.context)
-    eager = make_drafter(models, batch, s.max_length, compile=False)
+    s, tag = ctx.settings, f"{models.preset} b{entry.batch}"
+    inputs = make_inputs(models, entry.batch, s.context)
+    eager = make_drafter(models, entry.batch, s.max_length, compile=False)
     prefill(models, eager, inputs)
     variants = {"eager": step_fn(eager, inputs)}
 
     def attempt(name, build):
+        """``build()`` (kept as the variant ``name``), or None with its error recorded."""
         try:
-            return build()
+            variants[name] = build()
+            return variants[name]
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             progress(f"{tag}: {name} FAILED: {type(e).__name__}: {e}")
-            entry.errors[name] = f"{type(e).__name__}: {e}"[:1000]
+            entry.errors[name] = error_text(e)[:1000]
             return None
 
     def compiled(name, passes, graphs=False):
         progress(f"{tag}: compiling {name}")
         built = attempt(name, lambda: build_compiled(models, inputs, s.max_length, passes=passes, cuda_graphs=graphs,
                                                      fresh=kernels is not None))
-        if built is not None:
+        if built is not None:  # the variant is its step
             variants[name], entry.first_call_s[name] = step_fn(built.drafter, inputs), built.first_call_s
             if kernels is not None and not graphs:
                 side = "passes" if passes else "no_passes"
@@ -244,31 +237,19 @@ def _batch(ctx: Context, models: Models, batch: int, copy_bw: float | None, kern
         built = compiled("compiled", True)
         if built is not None and models.device.type == "cpu":
             variants["compiled_call"] = built.drafter.static_step(*inputs.positions.shape)
-    _references(s, models, eager, inputs, variants, entry, attempt)
-    entry.step_bytes = step_bytes(models, batch, s.context)
+    if models.hf_mtp is not None and s.runs("peer"):
+        attempt("hf_eager", lambda: HFStep(models, inputs))
+    if s.runs("floor") and attempt("gemm_floor", lambda: gemm_floor(models, eager, inputs)):
+        entry.gemms = variants["gemm_floor"].summary
+        entry.gemm_calls = sum(g["count"] for g in entry.gemms)
+    entry.step_bytes = step_bytes(models, entry.batch, s.context)
     graphs_next = models.device.type == "cuda" and s.runs("compiled") and s.runs("cudagraph")
     budget = s.time_budget / 2 if graphs_next else s.time_budget
     _time(entry, variants, models.device, budget, copy_bw, tag)
     if graphs_next:
-        record.batches[str(batch)] = entry
         ctx.publish(record)
         if compiled("cudagraph", True, graphs=True) is not None:
             _time(entry, variants, models.device, budget, copy_bw, tag)
-    return entry
-
-
-def _references(s, models: Models, eager: Drafter, inputs: StepInputs, variants: dict, entry: StepLatency,
-                attempt) -> None:
-    """transformers' step and the GEMM floor beside ours (each may fail on its own)."""
-    if models.hf_mtp is not None and s.runs("peer"):
-        hf = attempt("hf_eager", lambda: HFStep(models, inputs))
-        if hf is not None:
-            variants["hf_eager"] = hf
-    if s.runs("floor"):
-        built = attempt("gemm_floor", lambda: gemm_floor(models, eager, inputs))
-        if built is not None:
-            variants["gemm_floor"], entry.gemms = built
-            entry.gemm_calls = sum(g["count"] for g in entry.gemms)
 
 
 def _time(entry: StepLatency, variants: dict, device: torch.device, budget: float, copy_bw: float | None,

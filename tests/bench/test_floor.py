@@ -65,13 +65,10 @@ def test_floor_replays_the_same_ops_shapes_and_strides(recorded):
     for (op, args, _kwargs), g in zip(floor.calls, gemms):
         assert op is g.op
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        assert [tuple(t.shape) for t in tensors] == [o.shape for o in g.operands]
-        assert [tuple(t.stride()) for t in tensors] == [o.stride for o in g.operands]
+        assert [t.shape for t in tensors] == [o.shape for o in g.operands]
+        assert [t.stride() for t in tensors] == [o.stride() for o in g.operands]
         assert [t.dtype for t in tensors] == [o.dtype for o in g.operands]
     floor()
-    assert floor.macs == sum(g.macs for g in gemms) > 0
-    assert len(GemmFloor(gemms, "cpu", which="weight").calls) == sum(g.weight for g in gemms)
-    assert len(GemmFloor(gemms, "cpu", which="activation").calls) == sum(not g.weight for g in gemms)
     assert sum(row["count"] for row in summarize(gemms)) == len(gemms)
 
 

@@ -55,7 +55,7 @@ def test_sweep_on_the_reduced_text_target(tmp_path):
         assert 1 <= point["mean_accepted_length"] <= 1 + point["k"]
         assert len(point["acceptance_per_position"]) == point["k"]
     for point in result["ours"].values():
-        assert point["batch4"]["outputs_match_target"] is True and point["batch4"]["compiled"] is False
+        assert point["batch4"]["outputs_match_target"] is True
         assert point["batch4"]["mean_accepted_length"] <= point["batch4"]["per_sequence_accepted_length"]
         assert list(point["draft_round_ms"]) == ["1"] and point["draft_round_ms"]["1"]["n"] >= 1
         assert point["speedup_vs_hf_mtp"] > 0 and point["cold_compile"] is None

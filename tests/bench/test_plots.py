@@ -120,7 +120,7 @@ def synthetic_result() -> dict:
     return result
 
 
-ALL_PANELS = 7  # step latency, acceptance per position, accepted length, tokens/s, draft round, start-up, quant
+ALL_PANELS = 6  # step latency, acceptance per position, tokens/s and accepted length, draft round, start-up, quant
 
 
 def test_the_synthetic_result_prints_as_a_run_would():
@@ -135,7 +135,7 @@ def test_report_is_a_png_of_the_layouts_size(tmp_path):
     drawn = plots.draw_report(synthetic_result(), tmp_path / "out" / "report.png")
     assert drawn.path == tmp_path / "out" / "report.png" and drawn.left_out == []
     assert len(drawn.panels) == ALL_PANELS
-    assert png_size(drawn.path) == plots.figure_size(ALL_PANELS) == (1400, 4 * 450 + 100)  # 2 columns, 4 rows
+    assert png_size(drawn.path) == plots.figure_size(ALL_PANELS) == (1400, 3 * 450 + 100)  # 2 columns, 3 rows
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["report.png"]  # no temporary file left
 
 
@@ -146,7 +146,7 @@ def test_a_section_the_run_did_not_produce_leaves_its_panel_out(tmp_path):
     assert drawn.left_out == ["draft-round latency against K (depths)", "quantized step (quant)"]
     assert len(drawn.panels) == ALL_PANELS - 2
     assert "acceptance per draft position (e2e section)" in drawn.panels  # K = 1 from today's e2e record
-    assert png_size(drawn.path) == plots.figure_size(ALL_PANELS - 2) == (1400, 3 * 450 + 100)
+    assert png_size(drawn.path) == plots.figure_size(ALL_PANELS - 2) == (1400, 2 * 450 + 100)
 
 
 SKIPPED, FAILED = None, {"error": "RuntimeError: boom"}
@@ -166,9 +166,9 @@ def _with(result: dict, changes: dict) -> dict:
 
 @pytest.mark.parametrize("changes, left_out, panels", [
     ({"depths": FAILED}, ["draft-round latency against K (depths)"], ALL_PANELS - 1),
-    ({"depths": SKIPPED, "e2e": FAILED}, ["acceptance and accepted length (e2e or depths)",
-                                          "tokens/s against K (e2e or depths)",
-                                          "draft-round latency against K (depths)"], ALL_PANELS - 4),
+    ({"depths": SKIPPED, "e2e": FAILED}, ["acceptance per position (e2e or depths)",
+                                          "tokens/s and accepted length against K (e2e or depths)",
+                                          "draft-round latency against K (depths)"], ALL_PANELS - 3),
     ({"configs.tiny.compile": SKIPPED, "configs.tiny.packaged": SKIPPED}, ["start-up (compile, packaged)"],
      ALL_PANELS - 1),
     ({"configs.tiny.quant": FAILED}, ["quantized step (quant)"], ALL_PANELS - 1),
@@ -235,7 +235,7 @@ def test_the_benchmark_ends_with_the_reports_path_or_how_to_get_it(has_matplotli
     last = capsys.readouterr().out.splitlines()[-1]
     if has_matplotlib:
         assert last == f"report: {tmp_path / 'result.png'}"
-        assert png_size(tmp_path / "result.png") == plots.figure_size(3)  # acceptance, accepted length, tokens/s
+        assert png_size(tmp_path / "result.png") == plots.figure_size(2)  # acceptance, tokens/s and accepted length
     else:
         assert last == plots.MISSING_HINT.format(json=json_path)
         assert "pip install -e '.[plots]'" in last and f"python -m bench report {json_path}" in last

@@ -1,43 +1,41 @@
-"""``bench.quant``: the quantized-drafting rows (fp32 floor first, then the variants asked for) on the tiny preset,
-and the benchmark's ``quant`` section built from them."""
+"""``bench.quant``: the benchmark's ``quant`` section on the tiny preset: an int8 scheme against the fp32 GEMM floor,
+a scheme that fails recorded by name, float8 on CUDA only."""
 
 import json
 
-import pytest
+import torch
 
 from bench import plots, quant, run
-from bench.quant import FLOOR, quant_rows
+from bench.models import load_models
+from bench.step import step_bytes
 
 
-def test_rows_of_an_int8_variant_against_the_fp32_floor():
-    rows = quant_rows("tiny", variants=("int8_head",), budget_s=0.3)
-    floor, int8 = rows
-    assert (floor["variant"], int8["variant"]) == (FLOOR, "int8_head")
-    assert floor["x_fp32_floor"] == 1.0 and floor["bytes_x_fp32"] == 1.0
-    assert (int8["dtype"], int8["quantized"], int8["inductor_options"]) == ("bfloat16", "depths+head", "default")
-    assert int8["head_copy_bytes"] == 500 * (64 + 2)  # tiny: V' 500 rows of H 64 int8 + a bf16 scale each
-    assert int8["bytes_per_step"] < floor["bytes_per_step"] / 2
-    assert "_weight_int8pack_mm" in int8["extern_ops"] and int8["first_call_s"] > 0 and int8["median_ms"] > 0
+def _run(tmp_path, monkeypatch, names: tuple[str, ...]) -> tuple[dict, dict]:
+    monkeypatch.setattr(quant, "SCHEMES", {name: quant.SCHEMES[name] for name in names})
+    path = tmp_path / "result.json"
+    result = run.run(["--quick", "--only", "quant", "--with", "quant", "--json", str(path)])
+    return result, json.loads(path.read_text())
 
 
-def test_unknown_variants_are_refused_before_loading_anything():
-    with pytest.raises(ValueError, match=r"unknown variants \['int4'\]: choose from \['fp32', 'bf16'"):
-        quant_rows("tiny", variants=("bf16", "int4"))
+def test_an_int8_scheme_reads_less_than_half_the_fp32_bytes(tmp_path, monkeypatch):
+    _, on_disk = _run(tmp_path, monkeypatch, ("int8_depths_head",))
+    q = on_disk["configs"]["tiny"]["quant"]
+    int8 = q["schemes"]["int8_depths_head"]
+    fp32_bytes = step_bytes(load_models("tiny", peer=False), 1, 64)["total"]
+    assert q["errors"] == {} and 0 < int8["step_bytes"] < fp32_bytes / 2
+    assert int8["x_fp32_floor"] == int8["step"]["median_ms"] / q["fp32_floor_ms"] > 0 and int8["compile_s"] > 0
 
 
 def test_the_quant_section_of_a_run_keeps_what_built_and_names_what_failed(tmp_path, monkeypatch):
     built = quant._drafter
 
-    def drafter(models, batch, max_length, fast):
+    def drafter(models, batch, max_length):
         if models.mtp.quantization is not None:
             raise RuntimeError("no int8 kernel here")
-        return built(models, batch, max_length, fast)
+        return built(models, batch, max_length)
 
-    monkeypatch.setattr(quant, "SCHEMES", {"fp32": "fp32", "int8_depths": "int8_depths_fast"})  # one compile
     monkeypatch.setattr(quant, "_drafter", drafter)
-    path = tmp_path / "result.json"
-    result = run.run(["--quick", "--only", "quant", "--with", "quant", "--json", str(path)])
-    on_disk = json.loads(path.read_text())
+    result, on_disk = _run(tmp_path, monkeypatch, ("fp32", "int8_depths"))  # one compile
     assert on_disk["completed"] == ["tiny/quant"] and set(on_disk["configs"]["tiny"]["quant"]) == {
         "batch", "fp32_floor_ms", "schemes", "errors"}
     assert on_disk["settings"]["opt_in"] == ["quant"]
@@ -54,10 +52,10 @@ def test_the_quant_section_of_a_run_keeps_what_built_and_names_what_failed(tmp_p
 
 
 def test_a_section_that_raises_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
-    def quant_rows(*args, **kwargs):
+    def models(*args, **kwargs):
         raise RuntimeError("broken")
 
-    monkeypatch.setattr(quant, "quant_rows", quant_rows)
+    monkeypatch.setattr(quant, "_models", models)
     result = run.run(["--quick", "--only", "quant", "--with", "quant", "--json", str(tmp_path / "result.json")])
     assert result["configs"]["tiny"]["quant"] == {"error": "RuntimeError: broken"}
     assert "quant: FAILED: RuntimeError: broken" in run.format_table(result)
@@ -65,9 +63,6 @@ def test_a_section_that_raises_is_recorded_and_the_run_goes_on(tmp_path, monkeyp
 
 def test_the_float8_scheme_is_benchmarked_on_cuda_only():
     """torchao's float8 GEMMs exist on sm89+ GPUs: the CPU run leaves its row out instead of recording a failure."""
-    assert "torchao_float8_depths_head" not in quant.schemes("cpu")
-    assert quant.schemes("cuda") == {**quant.SCHEMES, "torchao_float8_depths_head": "torchao_float8_head_fast"}
-    variants = {v[0] for v in quant.VARIANTS}
-    assert set(quant.schemes("cuda").values()) <= variants
-    assert set(quant.device_variants("cpu")) == variants - {"torchao_float8_head_fast"}
-    assert set(quant.device_variants("cuda")) == variants
+    assert quant.schemes("cpu") == quant.SCHEMES
+    assert set(quant.schemes("cuda")) == {*quant.SCHEMES, "torchao_float8_depths_head"}
+    assert quant.schemes("cuda")["torchao_float8_depths_head"][0] == torch.bfloat16
