@@ -71,6 +71,11 @@ def _k_compile_ratio(r: dict) -> float | None:
     return probes[-1]["ratio_to_first"] if len(probes) > 1 else None
 
 
+def _tp_share(r: dict) -> float | None:
+    full = _get(r, "tp", "full")
+    return full["parameter_bytes"]["8"] / (full["unsharded_bytes"] / 8) if full else None
+
+
 @dataclass(frozen=True)
 class Goal:
     id: str
@@ -104,6 +109,10 @@ GOALS = (
          "1's (largest K)", ">=", 0.9, "x", _perrow_batch4, "--full (the perrow section, CPU)"),
     Goal("k_sweep_compile_ratio", "cold compile of the largest K's drafter over the smallest K's (CPU seconds)", "<=",
          2, "x", _k_compile_ratio, "--full (the depths section)"),
+    Goal("tp_head_share", "tensor-parallel greedy head at full dims, T = 8: a [B, V] gather over our [T, B, 2] pairs",
+         ">=", 1000, "x", lambda r: _get(r, "tp", "full", "head_ratio"), "the tp section"),
+    Goal("tp_bytes_per_rank", "tensor-parallel full dims, T = 8: one rank's parameter bytes (embedding aside) over "
+         "1/T of the unsharded model's", "<=", 1.05, "x", _tp_share, "the tp section"),
 )
 
 

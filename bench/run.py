@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 import transformers
 
-from . import compile_time, e2e, ksweep, multimodal, packaged, perrow, plots, quant, report, step
+from . import compile_time, e2e, ksweep, multimodal, packaged, perrow, plots, quant, report, step, tp
 from .harness import OPT_IN, Context, Settings, error_text, plain, probe_main, progress, write_json
 from .models import load_models
 
@@ -54,6 +54,8 @@ SECTIONS = (
     Section("perrow", perrow, "per-row acceptance vs lockstep at batch 1, 4, 8 (--full)", cpu_only=True),
     Section("multimodal", multimodal, "image prompts: acceptance from merged rows vs placeholder ids; the "
             "generate(custom_generate=...) wrapper's cost (--full)"),
+    Section("tp", tp, "the tensor-parallel draft head on 1 and 2 gloo ranks: bytes per rank and per draft round, "
+            "round latency; full-size communication beside transformers' and SGLang's schemes", cpu_only=True),
 )
 # Parts of sections, for --skip
 PARTS = {"kernels": "generated-code counts, stock vs passes (--full)", "stock": "the compiled step without our passes "

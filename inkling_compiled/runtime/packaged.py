@@ -54,7 +54,8 @@ FORMAT = "inkling_compiled.packaged/2"
 AOTI_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True,
                 "fx_graph_cache": False}
 # compared at load, in this order
-BUILT_FOR = ("config", "dtype", "quantization", "num_speculative_tokens", "device", "torch", "passes")
+BUILT_FOR = ("config", "dtype", "quantization", "num_speculative_tokens", "device", "torch", "passes",
+             "tensor_parallel")
 # what a drafter's package records of the drafter, to rebuild it at load
 LAYOUT_KEYS = ("max_batch_size", "max_length", "batch_buckets", "graph_rows", "buckets", "depth_steps")
 
@@ -171,7 +172,9 @@ def built_for(model: InklingMTP, inductor_options: Mapping, num_speculative_toke
     return {"config": digest, "config_fields": fields, "dtype": str(model.dtype),
             "quantization": None if quantization is None else f"{quantization.scheme} head={quantization.head}",
             "num_speculative_tokens": num_speculative_tokens, "device": device_kind(model.device),
-            "torch": torch.__version__, "passes": pass_version(inductor_options)}
+            "torch": torch.__version__, "passes": pass_version(inductor_options),
+            # a rank's steps hold its shard sizes and vocab offset: a package serves only the rank that built it
+            "tensor_parallel": None if (tp := model.parallel) is None else f"rank {tp.rank} of {tp.world_size}"}
 
 
 def mismatch(directory, manifest: dict, here: dict) -> PackageMismatch | None:
