@@ -6,6 +6,9 @@ synthetic checkpoint, written once and cached), builds the drafter, generates fr
 Random MTP weights give (near) zero acceptance: the figures are only meaningful for trained or distilled heads.
 ``--text-target`` uses the tiny target trained on Python standard-library source instead
 (:mod:`inkling_compiled.training.text_target`): prompts are held-out source lines and the output is printed as text.
+``--image N`` / ``--audio N`` put an image of N random patches / N random audio frames into every prompt of the
+synthetic target (its placeholder tokens after the first two tokens): the target and the drafter's prefill read the
+merged rows (docs/model.md §7).
 ``--tp N`` under ``torchrun --nproc-per-node N`` shards the draft head over the N ranks (docs/model.md §11; gloo on
 CPU, NCCL on CUDA, one GPU per rank); the target is replicated, every rank generates the same tokens and rank 0
 prints them.
@@ -55,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", type=int, default=0, metavar="N",
+                        help="put an image of N random vision patches into every prompt (synthetic target)")
+    parser.add_argument("--audio", type=int, default=0, metavar="N",
+                        help="put N random audio frames into every prompt (synthetic target)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's EOS ids")
     parser.add_argument("--no-compile", action="store_true", help="run the drafter eagerly")
     parser.add_argument("--no-warmup", action="store_true", help="time the first call (compilation included)")
@@ -87,6 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--check compares against greedy generate(); use it with --temperature 0")
     if args.text_target and (args.checkpoint or args.distilled):
         parser.error("--text-target is its own checkpoint; leave out --checkpoint / --distilled")
+    if args.image < 0 or args.audio < 0:
+        parser.error("--image and --audio take a count >= 0")
+    if args.text_target and (args.image or args.audio):
+        parser.error("--image / --audio need the multimodal synthetic target, not --text-target")
     return args
 
 
@@ -136,7 +147,8 @@ def build(args, mesh=None):
     dtype = DTYPES[args.dtype]
     target = load_hf_target(path, dtype=dtype).to(args.device).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device, device_mesh=mesh)
-    drafter = Drafter(mtp, max_batch_size=args.batch, max_length=args.prompt_len + args.max_new_tokens,
+    prompt_len = args.prompt_len + (args.image + 1 if args.image else 0) + (args.audio + 1 if args.audio else 0)
+    drafter = Drafter(mtp, max_batch_size=args.batch, max_length=prompt_len + args.max_new_tokens,
                       num_speculative_tokens=args.num_speculative_tokens, compile=not args.no_compile)
     return path, target, drafter
 
@@ -158,6 +170,36 @@ def make_prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
             mask[b, : args.prompt_len - n] = 0
             ids[b, : args.prompt_len - n] = pad
     return ids.to(args.device), mask.to(args.device)
+
+
+def add_media(args, target, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """With ``--image`` / ``--audio``: every prompt with its placeholder rows (a begin token, then one placeholder per
+    patch / frame) after its first two real tokens, and the random inputs ``generate`` takes for them."""
+    if not (args.image or args.audio):
+        return ids, mask, {}
+    config, gen = target.config, torch.Generator().manual_seed(args.seed + 1)
+    media, inserted = {}, []
+    if args.image:
+        vision = config.vision_config
+        patch = (vision.temporal_patch_size, vision.patch_size, vision.patch_size, vision.num_channels)
+        media["pixel_values"] = torch.randn(args.batch * args.image, *patch, generator=gen).to(args.device)
+        inserted += [config.image_bos_token_id] + [config.image_token_id] * args.image
+    if args.audio:
+        audio = config.audio_config
+        media["audio_input_ids"] = torch.randint(0, audio.codebook_size, (args.batch, args.audio, audio.num_codebooks),
+                                                 generator=gen).to(args.device)
+        inserted += [config.audio_bos_token_id] + [config.audio_token_id] * args.audio
+    extra = torch.tensor(inserted, device=ids.device)
+    rows = []
+    for b in range(ids.shape[0]):
+        real = ids[b, mask[b].bool()]
+        rows.append(torch.cat([real[:2], extra, real[2:]]))
+    width = max(len(r) for r in rows)
+    new_ids = torch.zeros(len(rows), width, dtype=torch.long, device=ids.device)
+    new_mask = torch.zeros_like(new_ids)
+    for b, row in enumerate(rows):
+        new_ids[b, width - len(row):], new_mask[b, width - len(row):] = row, 1
+    return new_ids, new_mask, media
 
 
 def ranks_agree(sequences: torch.Tensor) -> bool:
@@ -196,6 +238,7 @@ def generate(args, mesh) -> int:
         print(f"{PROG}: error: {first_line}", file=sys.stderr)
         return 2
     ids, mask = make_prompts(args, logits_vocab_size(target.config.get_text_config()))
+    ids, mask, media = add_media(args, target, ids, mask)
     eos = None if args.ignore_eos else target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
 
@@ -203,7 +246,7 @@ def generate(args, mesh) -> int:
         gen = torch.Generator(device=args.device).manual_seed(args.seed)
         return speculative_generate(target, drafter, ids, mask, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, top_p=args.top_p, eos_token_id=eos,
-                                    pad_token_id=pad, generator=gen)
+                                    pad_token_id=pad, generator=gen, **media)
 
     if not args.no_warmup:
         run()
@@ -217,7 +260,9 @@ def generate(args, mesh) -> int:
 
     say(f"checkpoint: {path}")
     say(f"target: {type(target).__name__}, drafter compile={not args.no_compile}, device={args.device}, "
-          f"dtype={args.dtype}, temperature={args.temperature}, top_p={args.top_p}, eos={eos}")
+        f"dtype={args.dtype}, temperature={args.temperature}, top_p={args.top_p}, eos={eos}"
+        + (f", image patches {args.image}" if args.image else "")
+        + (f", audio frames {args.audio}" if args.audio else ""))
     prompt_len = ids.shape[1]
     for b in range(ids.shape[0]):
         real = int(mask[b].sum())
@@ -247,7 +292,7 @@ def generate(args, mesh) -> int:
             return 1
     if args.check:
         config = greedy_generation_config(target, args.max_new_tokens, eos_token_id=eos)
-        reference = target.generate(ids, attention_mask=mask, generation_config=config)
+        reference = target.generate(ids, attention_mask=mask, generation_config=config, **media)
         same = torch.equal(reference, out.sequences)
         say(f"greedy generate() match: {same}")
         if not same:
