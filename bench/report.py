@@ -59,6 +59,11 @@ def _packaged(r: dict, name: str) -> float | None:
     return _get(r, "configs", "tiny", "packaged", "ratios", name) if _cpu(r) else None
 
 
+def _startup(r: dict, name: str) -> float | None:
+    """A figure of the startup section: its ``import_package_s`` (seconds), else one of its ratios."""
+    return _get(r, "startup", name) if name == "import_package_s" else _get(r, "startup", "ratios", name)
+
+
 def _perrow_batch4(r: dict) -> float | None:
     ks = _get(r, "perrow", "ks") or {}
     largest = max(ks, key=int, default=None)
@@ -69,6 +74,11 @@ def _k_compile_ratio(r: dict) -> float | None:
     probes = [p["cold_compile"] for p in (_get(r, "depths", "ours") or {}).values()
               if "cpu_s" in (p.get("cold_compile") or {})]
     return probes[-1]["ratio_to_first"] if len(probes) > 1 else None
+
+
+def _tp_share(r: dict) -> float | None:
+    full = _get(r, "tp", "full")
+    return full["parameter_bytes"]["8"] / (full["unsharded_bytes"] / 8) if full else None
 
 
 @dataclass(frozen=True)
@@ -102,8 +112,21 @@ GOALS = (
          "x", lambda r: _packaged(r, "packaged_vs_transformers"), "--full (the packaged latency) on CPU with tiny"),
     Goal("perrow_batch4_tokens_per_forward", "per-row acceptance: batch 4's tokens per target forward over batch "
          "1's (largest K)", ">=", 0.9, "x", _perrow_batch4, "--full (the perrow section, CPU)"),
+    Goal("startup_first_draft_vs_import_torch", "fresh process to the first packaged draft (tiny8, K = 8, CPU) over "
+         "a fresh `import torch` alone", "<=", 1.3, "x", lambda r: _startup(r, "first_draft_vs_import_torch"),
+         "the startup section (CPU)"),
+    Goal("startup_import_package", "`import inkling_compiled` on top of `import torch`", "<=", 0.5, " s",
+         lambda r: _startup(r, "import_package_s"), "the startup section (CPU)"),
+    Goal("startup_round_k_vs_round_1", "CPU K = 8 draft round over the K = 1 round (tiny8, batch 1)", "<=", 3, "x",
+         lambda r: _startup(r, "round_k_vs_round_1"), "the startup section (CPU)"),
+    Goal("startup_round_k_vs_floor", "CPU K = 8 draft round over its GEMM floor (tiny8, batch 1)", "<=", 2, "x",
+         lambda r: _startup(r, "round_k_vs_floor"), "the startup section (CPU)"),
     Goal("k_sweep_compile_ratio", "cold compile of the largest K's drafter over the smallest K's (CPU seconds)", "<=",
          2, "x", _k_compile_ratio, "--full (the depths section)"),
+    Goal("tp_head_share", "tensor-parallel greedy head at full dims, T = 8: a [B, V] gather over our [T, B, 2] pairs",
+         ">=", 1000, "x", lambda r: _get(r, "tp", "full", "head_ratio"), "the tp section"),
+    Goal("tp_bytes_per_rank", "tensor-parallel full dims, T = 8: one rank's parameter bytes (embedding aside) over "
+         "1/T of the unsharded model's", "<=", 1.05, "x", _tp_share, "the tp section"),
 )
 
 

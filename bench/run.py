@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 import transformers
 
-from . import compile_time, e2e, ksweep, packaged, perrow, plots, quant, report, step
+from . import compile_time, e2e, ksweep, multimodal, packaged, perrow, plots, quant, report, startup, step, tp
 from .harness import OPT_IN, Context, Settings, error_text, plain, probe_main, progress, write_json
 from .models import load_models
 
@@ -52,12 +52,20 @@ SECTIONS = (
     Section("e2e", e2e, "end to end on the text target: ours at K = 1 and 8 vs the target and generate(use_mtp)"),
     Section("depths", ksweep, "the K sweep: tokens/s, acceptance, batch 1 and 4, draft rounds (--full)", cpu_only=True),
     Section("perrow", perrow, "per-row acceptance vs lockstep at batch 1, 4, 8 (--full)", cpu_only=True),
+    Section("multimodal", multimodal, "image prompts: acceptance from merged rows vs placeholder ids; the "
+            "generate(custom_generate=...) wrapper's cost (--full)"),
+    Section("tp", tp, "the tensor-parallel draft head on 1 and 2 gloo ranks: bytes per rank and per draft round, "
+            "round latency; full-size communication beside transformers' and SGLang's schemes (--full)", cpu_only=True),
+    Section("startup", startup, "import cost and a fresh process to its first packaged draft vs import torch; the "
+            "K = 8 round (cached, packaged) vs K = 1 and its GEMM floor (tiny8; the choices with --full)",
+            cpu_only=True),
 )
 # Parts of sections, for --skip
 PARTS = {"kernels": "generated-code counts, stock vs passes (--full)", "stock": "the compiled step without our passes "
          "(--full)", "compiled": "every compiled variant", "cudagraph": "the CUDA-graph variant (CUDA)",
          "peer": "transformers' MtpModel and generate(use_mtp=True)", "floor": "the GEMM-only floor",
-         "kcompile": "the K sweep's cold compiles in fresh processes (--full)"}
+         "kcompile": "the K sweep's cold compiles in fresh processes (--full)",
+         "kround_choices": "the K = 8 round compiled as one graph, beside the cached packaged one (--full)"}
 # option: (--quick, default, --full)
 COUNTS = {"time_budget": (2.0, 6.0, 20.0), "recompile_steps": (3, 10, 20), "e2e_prompts": (1, 2, 4),
           "e2e_tokens": (16, 64, 64), "k_seconds": (0.3, 1.0, 2.0)}

@@ -1,8 +1,13 @@
 """The MTP view of an Inkling config: per-depth geometry and the few fields the draft head reads (docs/model.md §2).
 
-transformers' config classes do the parsing (``InklingConfig`` promotes the top-level ``mtp_config`` into its
-``text_config``); this module turns the result into a small frozen dataclass that the modules are built from, and
-rejects values this implementation does not support with a message naming the field.
+transformers' config classes are the authority on parsing (``InklingConfig`` promotes the top-level ``mtp_config``
+into its ``text_config``); this module turns the result into a small frozen dataclass that the modules are built
+from, and rejects values this implementation does not support with a message naming the field.
+
+A checkpoint directory's config.json is read without importing transformers (about 1.6 s) when it spells every field
+the head reads plainly (:func:`plain_text_fields`: the same promotion, the aliases and defaults transformers applies,
+values of the types its strict classes accept); anything else goes through transformers' classes, so that their
+verdict (and error) stands. Fields the head never reads are then not checked.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-from transformers import InklingConfig, InklingTextConfig
+if TYPE_CHECKING:
+    from transformers import InklingConfig, InklingTextConfig
 
 from .arguments import check_bool, is_int, is_number
 
@@ -70,10 +78,30 @@ class MTPConfig:
         ``mtp_log_scaling`` applies tau on full-attention depths (SGLang / transformers); the default follows vLLM
         and tokenspeed, which do not pass tau into the MTP block (docs/model.md §8 item 18).
         """
-        check_bool("mtp_log_scaling", mtp_log_scaling)
+        from transformers import InklingConfig, InklingTextConfig
+
         text = config.get_text_config() if isinstance(config, InklingConfig) else config
         if not isinstance(text, InklingTextConfig):
             raise ConfigError(f"expected an InklingConfig or InklingTextConfig, got {type(config).__name__}")
+        return cls._from_text(text, mtp_log_scaling, raw if raw is not None else config.to_dict())
+
+    @classmethod
+    def from_config_dict(cls, raw: dict, where, *, mtp_log_scaling: bool = False) -> MTPConfig:
+        """Build from a config.json dict, each error prefixed by ``where``: read directly when
+        :func:`plain_text_fields` can, else parsed by transformers' classes (:func:`parse_config_dict`)."""
+        text = plain_text_fields(raw)
+        parsed = parse_config_dict(raw, where) if text is None else None
+        try:
+            if parsed is not None:
+                return cls.from_hf(parsed, mtp_log_scaling=mtp_log_scaling, raw=raw)
+            return cls._from_text(SimpleNamespace(**text), mtp_log_scaling, raw)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from e
+
+    @classmethod
+    def _from_text(cls, text, mtp_log_scaling: bool, raw: dict) -> MTPConfig:
+        """From the text config's attributes (an ``InklingTextConfig``, or :func:`plain_text_fields` as attributes)."""
+        check_bool("mtp_log_scaling", mtp_log_scaling)
         n = text.num_mtp_layers
         if n is None or is_int(n) and n < 1:
             raise ConfigError(
@@ -99,7 +127,7 @@ class MTPConfig:
         return cls(
             hidden_size=text.hidden_size,
             vocab_size=text.vocab_size,
-            logits_vocab_size=logits_vocab_size(text),
+            logits_vocab_size=text.unpadded_vocab_size or text.vocab_size,
             rms_norm_eps=float(text.rms_norm_eps),
             depths=depths,
             d_rel=text.d_rel,
@@ -113,7 +141,7 @@ class MTPConfig:
             use_global_scale=fields["use_global_scale"],
             log_scaling_n_floor=text.log_scaling_n_floor,
             log_scaling_alpha=float(text.log_scaling_alpha),
-            raw=raw if raw is not None else config.to_dict(),
+            raw=raw,
         )
 
 
@@ -192,7 +220,7 @@ FIELD_RULES: dict[str, FieldRule] = {
 FIELD_DEFAULTS = {"use_embed_norm": True, "use_global_scale": True}  # not InklingTextConfig fields: on unless set
 
 
-def _depth_geometry(text: InklingTextConfig, sliding: bool, mtp_log_scaling: bool) -> DepthGeometry:
+def _depth_geometry(text, sliding: bool, mtp_log_scaling: bool) -> DepthGeometry:
     if sliding:
         heads, kv, dim = text.swa_num_attention_heads, text.swa_num_key_value_heads, text.swa_head_dim
         window = extent = text.sliding_window_size  # a sliding depth's bias extent is its window (docs/model.md §2.3)
@@ -239,15 +267,22 @@ def read_json_object(file: Path, error: type[ValueError]) -> dict:
 
 def read_config_json(path: str | os.PathLike) -> tuple[InklingConfig | InklingTextConfig, dict]:
     """Parse ``path/config.json`` (``inkling_mm_model`` or ``inkling_text``) with transformers' classes."""
+    raw = read_config_file(path)
+    return parse_config_dict(raw, Path(path) / CONFIG_FILE), raw
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """``path/config.json`` as a dict (FileNotFoundError if there is none; ConfigError if it is no JSON object)."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
-    raw = read_json_object(file, ConfigError)
-    return parse_config_dict(raw, file), raw
+    return read_json_object(file, ConfigError)
 
 
 def parse_config_dict(raw: dict, where) -> InklingConfig | InklingTextConfig:
     """A config.json dict as transformers' Inkling config class; ConfigError naming ``where`` if it is none."""
+    from transformers import InklingConfig, InklingTextConfig
+
     model_type = raw.get("model_type")
     classes = {InklingConfig.model_type: InklingConfig, InklingTextConfig.model_type: InklingTextConfig}
     if model_type not in classes:
@@ -261,3 +296,64 @@ def parse_config_dict(raw: dict, where) -> InklingConfig | InklingTextConfig:
         return classes[model_type].from_dict(copy.deepcopy(raw))
     except Exception as e:  # transformers' parsing fails in many ways (strict field types, a section not an object)
         raise ConfigError(f"{where}: transformers cannot parse it: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------ without transformers
+
+MODEL_TYPES = ("inkling_mm_model", "inkling_text")  # InklingConfig's, InklingTextConfig's
+# What InklingTextConfig holds for a field the head reads when config.json leaves it out, and the config.json
+# spellings it maps onto those fields (its attribute_map); tests compare both with the installed transformers.
+TEXT_DEFAULTS = {
+    "vocab_size": 201024, "unpadded_vocab_size": None, "hidden_size": 6144, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 128, "swa_num_attention_heads": 64, "swa_num_key_value_heads": 16,
+    "swa_head_dim": 128, "sliding_window_size": 512, "d_rel": 16, "rel_extent": 1024, "log_scaling_n_floor": None,
+    "log_scaling_alpha": 0.1, "rms_norm_eps": 1e-6, "conv_kernel_size": 4, "intermediate_size": 24576,
+    "hidden_act": "silu", "logits_mup_width_multiplier": 24.0, "num_mtp_layers": None, "chain_hidden_post_norm": False,
+    "mtp_hidden_states_first": True, "mtp_local_layer_ids": None,
+}
+TEXT_ALIASES = {"sconv_kernel_size": "conv_kernel_size", "embedding_multiplier": "logits_mup_width_multiplier",
+                "sliding_window": "sliding_window_size"}
+# InklingConfig's promotion of the top-level mtp_config: text field <- (mtp_config key, value when absent)
+MTP_PROMOTED = {"num_mtp_layers": ("num_nextn_predict_layers", None),
+                "chain_hidden_post_norm": ("chain_hidden_post_norm", False),
+                "mtp_local_layer_ids": ("local_layer_ids", None)}
+
+
+def plain_text_fields(raw: dict) -> dict | None:
+    """The text config's fields as transformers would read them from ``raw``, for the fields the head reads, when
+    that takes no judgement: the sections are objects, no field is given under two spellings, and every value read
+    has the type transformers' strict classes require (an int is not a float there). None otherwise: the caller
+    then lets transformers parse ``raw`` (and report what is wrong with it)."""
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        return None
+    if model_type == MODEL_TYPES[0]:
+        text, mtp = raw.get("text_config"), raw.get("mtp_config") or {}
+        if not (isinstance(text, dict) and isinstance(mtp, dict)):
+            return None
+        text = dict(text)
+        for name, (key, absent) in MTP_PROMOTED.items():
+            text.setdefault(name, mtp.get(key, absent))
+    else:
+        text = dict(raw)
+    for alias, name in TEXT_ALIASES.items():
+        if alias in text:
+            if name in text:
+                return None
+            text[name] = text.pop(alias)
+    if text.get("dense_intermediate_size") is not None:  # its dense MLP width (intermediate_size is the experts')
+        text["intermediate_size"] = text["dense_intermediate_size"]
+    fields = {**TEXT_DEFAULTS, **{name: text[name] for name in (*TEXT_DEFAULTS, *FIELD_RULES,
+                                                                 "final_logit_softcapping") if name in text}}
+    plain = all(_strictly(rule, fields[name]) for name, rule in FIELD_RULES.items() if name in fields)
+    ids = fields["mtp_local_layer_ids"]
+    plain = plain and isinstance(fields["hidden_act"], str) and (
+        ids is None or isinstance(ids, list) and all(is_int(i) for i in ids))
+    return fields if plain else None
+
+
+def _strictly(rule: FieldRule, value) -> bool:
+    """``value`` has the JSON type a strict dataclass field of the rule's kind takes (the bounds are checked later)."""
+    if value is None:
+        return rule.optional
+    return isinstance(value, float) if rule.kind is float else _KINDS[rule.kind][1](value)

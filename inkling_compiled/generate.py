@@ -6,11 +6,18 @@ synthetic checkpoint, written once and cached), builds the drafter, generates fr
 Random MTP weights give (near) zero acceptance: the figures are only meaningful for trained or distilled heads.
 ``--text-target`` uses the tiny target trained on Python standard-library source instead
 (:mod:`inkling_compiled.training.text_target`): prompts are held-out source lines and the output is printed as text.
+``--image N`` / ``--audio N`` put an image of N random patches / N random audio frames into every prompt of the
+synthetic target (its placeholder tokens after the first two tokens): the target and the drafter's prefill read the
+merged rows (docs/model.md §7).
+``--tp N`` under ``torchrun --nproc-per-node N`` shards the draft head over the N ranks (docs/model.md §11; gloo on
+CPU, NCCL on CUDA, one GPU per rank); the target is replicated, every rank generates the same tokens and rank 0
+prints them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -51,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", type=int, default=0, metavar="N",
+                        help="put an image of N random vision patches into every prompt (synthetic target)")
+    parser.add_argument("--audio", type=int, default=0, metavar="N",
+                        help="put N random audio frames into every prompt (synthetic target)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's EOS ids")
     parser.add_argument("--no-compile", action="store_true", help="run the drafter eagerly")
     parser.add_argument("--no-warmup", action="store_true", help="time the first call (compilation included)")
@@ -58,7 +69,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="greedy only: also run the target's own generate() and compare the tokens")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks for the draft head; launch with torchrun --nproc-per-node N")
     args = parser.parse_args(argv)
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1 and os.environ.get("WORLD_SIZE") != str(args.tp):
+        parser.error(f"--tp {args.tp} needs {args.tp} processes: launch with torchrun --nproc-per-node {args.tp} -m "
+                     f"inkling_compiled.generate --tp {args.tp} ... (WORLD_SIZE is {os.environ.get('WORLD_SIZE')})")
     for name in ("prompt_len", "batch", "max_new_tokens", "num_speculative_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -76,7 +94,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--check compares against greedy generate(); use it with --temperature 0")
     if args.text_target and (args.checkpoint or args.distilled):
         parser.error("--text-target is its own checkpoint; leave out --checkpoint / --distilled")
+    if args.image < 0 or args.audio < 0:
+        parser.error("--image and --audio take a count >= 0")
+    if args.text_target and (args.image or args.audio):
+        parser.error("--image / --audio need the multimodal synthetic target, not --text-target")
     return args
+
+
+def device_mesh(args):
+    """With ``--tp N``: join torchrun's process group (gloo on CPU, NCCL on CUDA with one GPU per local rank) and
+    return its 1-D DeviceMesh; ``args.device`` becomes this rank's device. None without."""
+    if args.tp == 1:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind = torch.device(args.device).type
+    if kind == "cuda":
+        args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(args.device)
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    return init_device_mesh(kind, (args.tp,))
 
 
 def _check_checkpoint(value) -> None:
@@ -86,8 +124,8 @@ def _check_checkpoint(value) -> None:
                                       "directory")
 
 
-def build(args):
-    """(path, target, drafter) for the parsed arguments."""
+def build(args, mesh=None):
+    """(path, target, drafter) for the parsed arguments (the draft head sharded over ``mesh`` when given)."""
     from .checkpoint.reader import open_checkpoint
     from .model import InklingMTP
     from .runtime.drafter import Drafter
@@ -108,8 +146,9 @@ def build(args):
     open_checkpoint(path)  # the library's own checks of config and files, before transformers reads them
     dtype = DTYPES[args.dtype]
     target = load_hf_target(path, dtype=dtype).to(args.device).requires_grad_(False)
-    mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device)
-    drafter = Drafter(mtp, max_batch_size=args.batch, max_length=args.prompt_len + args.max_new_tokens,
+    mtp = InklingMTP.from_pretrained(path, target=target, dtype=dtype, device=args.device, device_mesh=mesh)
+    prompt_len = args.prompt_len + (args.image + 1 if args.image else 0) + (args.audio + 1 if args.audio else 0)
+    drafter = Drafter(mtp, max_batch_size=args.batch, max_length=prompt_len + args.max_new_tokens,
                       num_speculative_tokens=args.num_speculative_tokens, compile=not args.no_compile)
     return path, target, drafter
 
@@ -133,20 +172,73 @@ def make_prompts(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(args.device), mask.to(args.device)
 
 
+def add_media(args, target, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """With ``--image`` / ``--audio``: every prompt with its placeholder rows (a begin token, then one placeholder per
+    patch / frame) after its first two real tokens, and the random inputs ``generate`` takes for them."""
+    if not (args.image or args.audio):
+        return ids, mask, {}
+    config, gen = target.config, torch.Generator().manual_seed(args.seed + 1)
+    media, inserted = {}, []
+    if args.image:
+        vision = config.vision_config
+        patch = (vision.temporal_patch_size, vision.patch_size, vision.patch_size, vision.num_channels)
+        media["pixel_values"] = torch.randn(args.batch * args.image, *patch, generator=gen).to(args.device)
+        inserted += [config.image_bos_token_id] + [config.image_token_id] * args.image
+    if args.audio:
+        audio = config.audio_config
+        media["audio_input_ids"] = torch.randint(0, audio.codebook_size, (args.batch, args.audio, audio.num_codebooks),
+                                                 generator=gen).to(args.device)
+        inserted += [config.audio_bos_token_id] + [config.audio_token_id] * args.audio
+    extra = torch.tensor(inserted, device=ids.device)
+    rows = []
+    for b in range(ids.shape[0]):
+        real = ids[b, mask[b].bool()]
+        rows.append(torch.cat([real[:2], extra, real[2:]]))
+    width = max(len(r) for r in rows)
+    new_ids = torch.zeros(len(rows), width, dtype=torch.long, device=ids.device)
+    new_mask = torch.zeros_like(new_ids)
+    for b, row in enumerate(rows):
+        new_ids[b, width - len(row):], new_mask[b, width - len(row):] = row, 1
+    return new_ids, new_mask, media
+
+
+def ranks_agree(sequences: torch.Tensor) -> bool:
+    """Whether every rank of the default process group generated ``sequences`` exactly (rank 0's, broadcast)."""
+    import torch.distributed as dist
+
+    reference = sequences.clone()
+    dist.broadcast(reference, src=0)
+    same = torch.tensor([int(torch.equal(reference, sequences))], device=sequences.device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    mesh = device_mesh(args)
+    try:
+        return generate(args, mesh)
+    finally:
+        if mesh is not None:
+            torch.distributed.destroy_process_group()
+
+
+def generate(args, mesh) -> int:
+    """Build, generate (after a warm-up call), print; 1 when a requested check fails."""
     from .config import logits_vocab_size
     from .runtime.speculative import speculative_generate
     from .testing.synthetic import greedy_generation_config
 
     torch.manual_seed(args.seed)
+    say = print if mesh is None or mesh.get_rank() == 0 else (lambda *_: None)  # rank 0 speaks for all
     try:
-        path, target, drafter = build(args)
+        path, target, drafter = build(args, mesh)
     except (ValueError, TypeError, OSError) as e:  # the library's refusals, and unreadable files: one line
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"{PROG}: error: {first_line}", file=sys.stderr)
         return 2
     ids, mask = make_prompts(args, logits_vocab_size(target.config.get_text_config()))
+    ids, mask, media = add_media(args, target, ids, mask)
     eos = None if args.ignore_eos else target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
 
@@ -154,7 +246,7 @@ def main(argv=None) -> int:
         gen = torch.Generator(device=args.device).manual_seed(args.seed)
         return speculative_generate(target, drafter, ids, mask, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, top_p=args.top_p, eos_token_id=eos,
-                                    pad_token_id=pad, generator=gen)
+                                    pad_token_id=pad, generator=gen, **media)
 
     if not args.no_warmup:
         run()
@@ -166,9 +258,11 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
 
-    print(f"checkpoint: {path}")
-    print(f"target: {type(target).__name__}, drafter compile={not args.no_compile}, device={args.device}, "
-          f"dtype={args.dtype}, temperature={args.temperature}, top_p={args.top_p}, eos={eos}")
+    say(f"checkpoint: {path}")
+    say(f"target: {type(target).__name__}, drafter compile={not args.no_compile}, device={args.device}, "
+        f"dtype={args.dtype}, temperature={args.temperature}, top_p={args.top_p}, eos={eos}"
+        + (f", image patches {args.image}" if args.image else "")
+        + (f", audio frames {args.audio}" if args.audio else ""))
     prompt_len = ids.shape[1]
     for b in range(ids.shape[0]):
         real = int(mask[b].sum())
@@ -176,26 +270,31 @@ def main(argv=None) -> int:
         if args.text_target:
             from .training.text_target import decode
 
-            print(f"[{b}] prompt ({real} bytes):\n{decode(prompt)}\n[{b}] generated ({new.shape[0]} tokens):\n"
+            say(f"[{b}] prompt ({real} bytes):\n{decode(prompt)}\n[{b}] generated ({new.shape[0]} tokens):\n"
                   f"{decode(new)}\n[{b}] end")
         else:
-            print(f"[{b}] prompt ({real}): {prompt.tolist()}")
-            print(f"[{b}] new    ({out.num_new_tokens}): {new.tolist()}")
-    print(f"drafted {out.num_drafted}, accepted {out.num_accepted}, acceptance rate {out.acceptance_rate:.3f}, "
+            say(f"[{b}] prompt ({real}): {prompt.tolist()}")
+            say(f"[{b}] new    ({out.num_new_tokens}): {new.tolist()}")
+    say(f"drafted {out.num_drafted}, accepted {out.num_accepted}, acceptance rate {out.acceptance_rate:.3f}, "
           f"mean accepted length {out.mean_accepted_length:.3f} tokens / target forward "
           f"({out.num_rounds} verify rounds + prefill)")
-    print(f"acceptance per position (K = {out.num_speculative_tokens}): "
+    say(f"acceptance per position (K = {out.num_speculative_tokens}): "
           f"{' '.join(f'{a:.3f}' for a in out.acceptance_per_position)}")
-    print(f"accepted per round: {out.accepted_per_round}")
-    print(f"tokens per round:   {out.emitted_per_round}")
+    say(f"accepted per round: {out.accepted_per_round}")
+    say(f"tokens per round:   {out.emitted_per_round}")
     new_tokens = out.num_new_tokens * ids.shape[0]
-    print(f"time {seconds * 1e3:.1f} ms, {new_tokens / seconds:.1f} tokens/s"
+    say(f"time {seconds * 1e3:.1f} ms, {new_tokens / seconds:.1f} tokens/s"
           f"{'' if args.no_warmup else ' (after one warm-up call)'}")
+    if mesh is not None:
+        agree = ranks_agree(out.sequences)
+        say(f"tensor-parallel ranks (--tp {args.tp}) generated the same tokens: {agree}")
+        if not agree:
+            return 1
     if args.check:
         config = greedy_generation_config(target, args.max_new_tokens, eos_token_id=eos)
-        reference = target.generate(ids, attention_mask=mask, generation_config=config)
+        reference = target.generate(ids, attention_mask=mask, generation_config=config, **media)
         same = torch.equal(reference, out.sequences)
-        print(f"greedy generate() match: {same}")
+        say(f"greedy generate() match: {same}")
         if not same:
             return 1
     return 0

@@ -4,23 +4,39 @@ The floor is pyproject's (``transformers>=5.23``; ``make test-floor`` runs the t
 that release). 5.24 renamed every model's cache argument from ``past_key_values`` to ``cache``; both forwards also
 take ``**kwargs``, so passing the other version's name is silently swallowed and the forward runs without a cache.
 :func:`cache_argument` reads the name from the forward's signature instead.
+
+The version is read from the installed distribution's metadata, so that importing this module (and the package)
+does not import transformers: a process that loads a checkpoint directory and runs packaged steps never does
+(docs/architecture.md, "What importing costs").
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 import re
-
-import transformers
+import sys
 
 MIN_TRANSFORMERS = (5, 23)
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # 5.24 and later, 5.23
 
 
+def installed_version() -> str:
+    """The transformers version this process runs: the imported module's, else the installed distribution's."""
+    module = sys.modules.get("transformers")
+    if module is not None:
+        return module.__version__
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError("inkling_compiled needs transformers, which is not installed "
+                          f"(pip install 'transformers>={'.'.join(map(str, MIN_TRANSFORMERS))}')") from None
+
+
 def check_transformers_version(version: str | None = None) -> None:
     """Raise ImportError unless ``version`` (default: the installed one) is at least :data:`MIN_TRANSFORMERS`."""
-    version = version or transformers.__version__
+    version = version or installed_version()
     found = re.match(r"(\d+)\.(\d+)", version)
     if found is None or tuple(map(int, found.groups())) < MIN_TRANSFORMERS:
         floor = ".".join(map(str, MIN_TRANSFORMERS))
@@ -40,7 +56,7 @@ def _cache_argument_of(model_class: type) -> str:
         if name in parameters:
             return name
     raise TypeError(f"{model_class.__name__}.forward takes none of {', '.join(CACHE_ARGUMENTS)} "
-                    f"(transformers {transformers.__version__}): cannot pass it a cache")
+                    f"(transformers {installed_version()}): cannot pass it a cache")
 
 
 check_transformers_version()  # on import (the package imports this module first), before any Inkling class is needed

@@ -11,7 +11,15 @@ import pytest
 from transformers import InklingConfig, InklingTextConfig, LlamaConfig
 
 from inkling_compiled import ConfigError, MTPConfig
-from inkling_compiled.config import FIELD_RULES, logits_vocab_size, read_config_json
+from inkling_compiled.config import (
+    FIELD_RULES,
+    TEXT_ALIASES,
+    TEXT_DEFAULTS,
+    logits_vocab_size,
+    parse_config_dict,
+    plain_text_fields,
+    read_config_json,
+)
 from inkling_compiled.testing import synthetic as S
 from tests.helpers import tiny_text_config
 
@@ -298,3 +306,70 @@ def test_read_config_json_transformers_rejects(tmp_path, edit, message):
     edit(raw)
     with pytest.raises(ConfigError, match=rf"config\.json: transformers cannot parse it: .*{message}"):
         read_config_json(_write(tmp_path, raw))
+
+
+# ------------------------------------------------------------------------------------------------ without transformers
+
+
+def test_the_defaults_and_aliases_read_without_transformers_are_transformers_own():
+    defaults = InklingTextConfig()
+    assert {name: getattr(defaults, name) for name in TEXT_DEFAULTS} == TEXT_DEFAULTS
+    aliases = {alias: name for alias, name in InklingTextConfig.attribute_map.items()
+               if name in TEXT_DEFAULTS or name in FIELD_RULES}
+    assert aliases == TEXT_ALIASES
+
+
+def _both_ways(raw: dict):
+    """(read directly, parsed by transformers): each an MTPConfig or the ConfigError message (naming the file)."""
+    def parsed():
+        hf = parse_config_dict(raw, "config.json")
+        try:
+            return MTPConfig.from_hf(hf, raw=raw)
+        except ConfigError as e:
+            raise ConfigError(f"config.json: {e}") from e
+
+    def outcome(build):
+        try:
+            return build()
+        except ConfigError as e:
+            return str(e)
+
+    return outcome(lambda: MTPConfig.from_config_dict(raw, "config.json")), outcome(parsed)
+
+
+@pytest.mark.parametrize("preset", sorted(S.PRESETS))
+@pytest.mark.parametrize("form", ["multimodal", "text"])
+def test_plain_configs_read_without_transformers_as_transformers_reads_them(preset, form):
+    raw = S.preset_config(preset)
+    if form == "text":
+        raw = {"model_type": "inkling_text", **_text_dict(raw)}
+    assert plain_text_fields(raw) is not None
+    direct, parsed = _both_ways(raw)
+    assert direct == parsed
+
+
+@pytest.mark.parametrize("edit, plain", [
+    (lambda t: t.pop("swa_head_dim"), True),  # transformers' default
+    (lambda t: t.update(dense_intermediate_size=None, intermediate_size=48), True),
+    (lambda t: t.update(embedding_multiplier=t.pop("logits_mup_width_multiplier") / 2), True),  # an alias alone
+    (lambda t: t.update(conv_kernel_size=3), False),  # given twice (sconv_kernel_size too)
+    (lambda t: t.update(logits_mup_width_multiplier=24), False),  # an int for a float: transformers rejects it
+    (lambda t: t.update(hidden_size=0), True),  # our rule's error, either way
+    (lambda t: t.update(local_layer_ids=None, mtp_local_layer_ids=["0"]), False),
+    (lambda t: t.update(hidden_act="relu"), True),
+], ids=["default", "no-dense-width", "alias", "alias-and-name", "int-for-float", "zero-width", "string-ids",
+        "activation"])
+def test_configs_read_without_transformers_agree_or_go_through_it(edit, plain):
+    raw = S.tiny_config()
+    edit(raw["text_config"])
+    assert (plain_text_fields(raw) is not None) == plain
+    direct, parsed = _both_ways(raw)
+    assert direct == parsed
+
+
+def test_a_multimodal_config_without_a_text_section_goes_through_transformers():
+    raw = S.tiny_config()
+    raw["mtp_config"] = [1]
+    assert plain_text_fields(raw) is None
+    with pytest.raises(ConfigError, match=r"^where: transformers cannot parse it"):
+        MTPConfig.from_config_dict(raw, "where")

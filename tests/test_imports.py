@@ -93,3 +93,54 @@ def test_importing_the_package_loads_no_training_testing_or_benchmark_code():
     tooling = [m for m in loaded if m.startswith(("inkling_compiled.training", "inkling_compiled.testing", "bench.",
                                                   "tests.")) or m in ("inkling_compiled.generate", "bench", "tests")]
     assert tooling == []
+
+
+# ------------------------------------------------------------------------------------------------ what importing costs
+# The lazy boundary (docs/architecture.md, "What importing costs"): the package and its runtime import neither
+# Inductor, Dynamo nor transformers; the passes still reach every Inductor compile, through an import hook.
+
+HEAVY = ("torch._inductor", "torch._dynamo", "transformers")
+
+
+def _fresh(code: str, **env) -> dict:
+    """The JSON a fresh interpreter prints last after running ``code``."""
+    environment = {k: v for k, v in os.environ.items() if k != "INKLING_COMPILED_PASSES"} | env
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_package_and_runtime_imports_no_compiler_and_no_transformers():
+    loaded = _fresh("import json, sys, inkling_compiled, inkling_compiled.runtime, inkling_compiled.passes; "
+                    "print(json.dumps(sorted(sys.modules)))")
+    assert [m for m in loaded if m.split(".")[0] == "transformers" or m.startswith(HEAVY[:2])] == []
+
+
+_SLOT = ("import json, sys, torch, inkling_compiled.passes as p; {before}"
+         "f = torch.compile(lambda x: x + 1); from torch._inductor import config; "
+         "slot = config.post_grad_custom_post_pass; "
+         "print(json.dumps([repr(slot), slot is p.pass_manager() if slot is not None else None]))")
+
+
+def test_the_passes_reach_the_slot_when_torch_compile_imports_inductor():
+    assert _fresh(_SLOT.format(before=""))[1] is True
+
+
+def test_the_env_switch_and_uninstall_before_inductor_keep_it_stock():
+    assert _fresh(_SLOT.format(before=""), INKLING_COMPILED_PASSES="0")[0] == "None"
+    assert _fresh(_SLOT.format(before="assert p.uninstall() and not p.uninstall(); "))[0] == "None"
+
+
+def test_the_slot_of_an_inductor_imported_first_gets_the_passes_at_once():
+    before = "import torch._inductor.config as c; assert c.post_grad_custom_post_pass is None; "
+    code = "import json, sys, torch; " + before + (
+        "import inkling_compiled.passes as p; print(json.dumps(c.post_grad_custom_post_pass is p.pass_manager()))")
+    assert _fresh(code) is True
+
+
+def test_building_the_manager_first_installs_that_manager_and_its_uuid_is_the_version():
+    code = ("import json, inkling_compiled.passes as p; v = p.version(); m = p.pass_manager(); "
+            "from torch._inductor import config; print(json.dumps([v == m.uuid(), "
+            "config.post_grad_custom_post_pass is m]))")
+    assert _fresh(code) == [True, True]

@@ -1,11 +1,14 @@
 """The raw Inkling layout (docs/model.md §3): file and key names, the three shared tensors, the w13 interleave, the
-dtypes a weight may be stored in, the alignment loaded tensors get, and ``CheckpointError``.
+dtypes a weight may be stored in, the alignment loaded tensors get, the part of a tensor one tensor-parallel rank
+reads (``Shard``), and ``CheckpointError``.
 
 The key map is the identity under ``model.mtp.`` (module names follow the checkpoint's), with one transform:
 ``mlp.w13_dn.weight`` rows are interleaved gate/up on disk and held as [gate; up] in memory.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +54,32 @@ def interleave_rows(w: torch.Tensor) -> torch.Tensor:
 def deinterleave_rows(w: torch.Tensor) -> torch.Tensor:
     """On-disk interleaved gate/up rows -> [gate (rows 0::2); up (rows 1::2)]."""
     return torch.cat([w[0::2], w[1::2]], dim=0)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Part ``index`` of ``count`` of a tensor along ``dim`` (what one tensor-parallel rank holds, docs/model.md §11);
+    with ``blocks`` > 1 the dim is ``blocks`` equal blocks (a fused [gate; up]) and the part is taken from each
+    block, then concatenated. Shapes and spans refer to the in-memory layout (w13 de-interleaved)."""
+
+    dim: int
+    index: int
+    count: int
+    blocks: int = 1
+
+    def ranges(self, size: int) -> list[tuple[int, int]]:
+        """The [start, stop) spans of the full dim (``size``) that the part holds, in order."""
+        block = size // self.blocks
+        part = block // self.count
+        return [(b * block + self.index * part, b * block + (self.index + 1) * part) for b in range(self.blocks)]
+
+    def full_shape(self, local: torch.Size) -> tuple[int, ...]:
+        return tuple(n * self.count if d == self.dim else n for d, n in enumerate(local))
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """The part of ``full``: a view when it is one span (no copy), else the spans concatenated."""
+        spans = [full.narrow(self.dim, start, stop - start) for start, stop in self.ranges(full.shape[self.dim])]
+        return spans[0] if len(spans) == 1 else torch.cat(spans, dim=self.dim)
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:

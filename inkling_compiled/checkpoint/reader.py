@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import arguments
 from ..arguments import ArgumentError
-from ..config import CONFIG_FILE, ConfigError, MTPConfig, read_config_json, read_json_object
+from ..config import CONFIG_FILE, MTPConfig, read_config_file, read_json_object
 from .layout import (
     INDEX_FILE,
     MTP_FILE,
@@ -31,6 +31,7 @@ from .layout import (
     SAFETENSORS_NAMES,
     W13_SUFFIX,
     CheckpointError,
+    Shard,
     aligned,
     deinterleave_rows,
     is_draft_key,
@@ -106,12 +107,15 @@ class RawCheckpoint:
 
     def read_state(self, shapes: Mapping[str, torch.Size], *, dtype: torch.dtype | None = None,
                    device: torch.device | str | None = None, target: nn.Module | None = None,
-                   progress: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, nn.Parameter]]:
+                   progress: bool | None = None, shards: Mapping[str, Shard] | None = None,
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, nn.Parameter]]:
         """``(own, lent)``: the model's own tensors by parameter name (w13 de-interleaved, ``dtype`` on ``device``,
         aligned, no autograd) and, with ``target``, the target's own Parameters for the shared names.
 
-        ``shapes`` are the model's parameter names and shapes. ``dtype`` defaults to the stored MTP dtype (or the
-        target's), ``device`` to CPU (or the target's). Every stored tensor must be floating point and finite.
+        ``shapes`` are the model's parameter names and full shapes; ``shards`` names the tensors of which only a part
+        is read (a tensor-parallel rank's, read as slices of the file, never the whole tensor). ``dtype`` defaults
+        to the stored MTP dtype (or the target's), ``device`` to CPU (or the target's). Every stored tensor must be
+        floating point and finite.
         """
         arguments.dtype("dtype", dtype, SAFETENSORS_NAMES)
         device = arguments.device(device)
@@ -129,7 +133,8 @@ class RawCheckpoint:
         stored_dtypes = self._validate(wanted)
         if dtype is None:
             dtype = stored_dtype({k: d for k, d in stored_dtypes.items() if k.startswith(MTP_PREFIX)}, self.path)
-        own = self._read(wanted, dtype, device if device is not None else torch.device("cpu"), progress)
+        parts = {k: shards[n] for k, (n, _) in wanted.items() if n in (shards or {})}
+        own = self._read(wanted, parts, dtype, device if device is not None else torch.device("cpu"), progress)
         return own, lent
 
     def _validate(self, wanted: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, str]:
@@ -171,11 +176,13 @@ class RawCheckpoint:
             raise CheckpointError(f"{self.path}: checkpoint does not match its config:\n  " + "\n  ".join(problems))
         return {k: d for k, (d, _) in stored.items()}
 
-    def _read(self, wanted, dtype: torch.dtype, device: torch.device, progress: bool | None) -> dict[str, torch.Tensor]:
+    def _read(self, wanted, parts: Mapping[str, Shard], dtype: torch.dtype, device: torch.device,
+              progress: bool | None) -> dict[str, torch.Tensor]:
         from tqdm.auto import tqdm
 
         itemsize = dtype.itemsize
-        total = sum(torch.Size(shape).numel() * itemsize for _, shape in wanted.values())
+        total = sum(torch.Size(shape).numel() * itemsize // (parts[k].count if k in parts else 1)
+                    for k, (_, shape) in wanted.items())
         show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
         own = {}
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading MTP", disable=not show) as bar:
@@ -183,7 +190,7 @@ class RawCheckpoint:
                 try:
                     with safe_open(str(file), framework="pt") as f:
                         for k in keys:
-                            t = f.get_tensor(k)
+                            t = _read_part(f, k, parts[k]) if k in parts else f.get_tensor(k)
                             if k.endswith(W13_SUFFIX):
                                 t = deinterleave_rows(t)
                             own[wanted[k][0]] = aligned(t.to(device=device, dtype=dtype))
@@ -197,6 +204,20 @@ class RawCheckpoint:
         return own
 
 
+def _read_part(f, key: str, shard: Shard) -> torch.Tensor:
+    """The part ``shard`` of ``key`` read as slices of the open file (still in the file's layout: w13 interleaved)."""
+    stored = f.get_slice(key)
+    size = stored.get_shape()[shard.dim]
+    if key.endswith(W13_SUFFIX):  # [gate; up] rows [a, b) of each half are the interleaved rows [2a, 2b) on disk
+        if (shard.dim, shard.blocks) != (0, 2):
+            raise ValueError(f"{key}: a w13 shard splits each of its [gate; up] halves by rows, got {shard}")
+        (start, stop), _ = shard.ranges(size)
+        return stored[2 * start : 2 * stop]
+    lead = (slice(None),) * shard.dim
+    spans = [stored[(*lead, slice(start, stop))] for start, stop in shard.ranges(size)]
+    return spans[0] if len(spans) == 1 else torch.cat(spans, dim=shard.dim)
+
+
 def open_checkpoint(path, *, num_depths: int | None = None, mtp_log_scaling: bool = False) -> RawCheckpoint:
     """Open the checkpoint directory ``path``: its config.json read and checked (cut to the first ``num_depths``
     depths) and every tensor of the draft head located."""
@@ -206,11 +227,8 @@ def open_checkpoint(path, *, num_depths: int | None = None, mtp_log_scaling: boo
     if not path.is_dir():
         raise NotADirectoryError(f"{path} is not a directory (a checkpoint is a directory holding {CONFIG_FILE} "
                                  "and *.safetensors files)")
-    hf_config, raw = read_config_json(path)
-    try:
-        config = MTPConfig.from_hf(hf_config, mtp_log_scaling=mtp_log_scaling, raw=raw)
-    except ConfigError as e:
-        raise ConfigError(f"{path / CONFIG_FILE}: {e}") from e
+    # parsed without importing transformers where it can be (config.py)
+    config = MTPConfig.from_config_dict(read_config_file(path), path / CONFIG_FILE, mtp_log_scaling=mtp_log_scaling)
     stored = config.num_depths
     _check_num_depths(num_depths, stored)
     if num_depths is not None:

@@ -25,6 +25,7 @@ from .depth_input import concat_normed, normed_embedding
 from .head import mup_logits
 from .int8 import Int8Linear, Quantization
 from .norm import RMSNorm
+from .tensor_parallel import TensorParallel
 
 
 class MTPDepth(nn.Module):
@@ -51,17 +52,23 @@ class InklingMTP(nn.Module):
     SHARED = tuple(SHARED_KEYS)  # the target's tensors (docs/model.md §3.1)
     _target_ref: weakref.ref | None = None  # the module whose own Parameters fill SHARED (loaded with `target=`)
 
-    def __init__(self, config: MTPConfig):
+    def __init__(self, config: MTPConfig, parallel: TensorParallel | None = None):
         super().__init__()
         self.config = config
+        # Tensor parallelism (docs/model.md §11): the depths and the cache are built with this rank's share of the
+        # heads and MLP channels, the LM head holds this rank's vocab rows.
+        self.parallel = parallel
+        self.local_config = parallel.local_config(config) if parallel is not None else config
         h, v = config.hidden_size, config.vocab_size
-        self.layers = nn.ModuleList(MTPDepth(config, g) for g in config.depths)
+        self.layers = nn.ModuleList(MTPDepth(self.local_config, g) for g in self.local_config.depths)
+        if parallel is not None:
+            parallel.parallelize(self.layers)
         self.chain_norm = RMSNorm(h, config.rms_norm_eps) if config.chain_hidden_post_norm else None
         # Shared with the target (docs/model.md §3.1): replaced by the target's own Parameters when loaded with
         # `target=`.
         self.embed_weight = nn.Parameter(torch.zeros(v, h))
         self.embed_norm_weight = nn.Parameter(torch.ones(h)) if config.use_embed_norm else None
-        self.lm_head_weight = nn.Parameter(torch.zeros(v, h))
+        self.lm_head_weight = nn.Parameter(torch.zeros(v if parallel is None else v // parallel.world_size, h))
         # Set by quantize_(): a draft-only int8 copy of the head's first logits_vocab_size rows, 1/muP in its scales.
         self.quantized_head: Int8Linear | None = None
         self.quantization: Quantization | None = None
@@ -73,7 +80,7 @@ class InklingMTP(nn.Module):
                         device: torch.device | str | None = None, target: nn.Module | None = None,
                         num_depths: int | None = None, mtp_log_scaling: bool = False,
                         progress: bool | None = None, quantize: str | None = None,
-                        quantize_head: bool = True) -> InklingMTP:
+                        quantize_head: bool = True, device_mesh=None) -> InklingMTP:
         """Load from a raw Inkling checkpoint directory (eval mode, no autograd on its own weights).
 
         ``dtype`` defaults to the stored MTP dtype (or the target's), ``device`` to CPU (or the target's). ``target``
@@ -82,7 +89,13 @@ class InklingMTP(nn.Module):
         min(depths, speculative tokens)). Every mismatch between config and files is reported at once; see
         :func:`inkling_compiled.checkpoint.reader.open_checkpoint`. ``quantize="int8"`` quantizes the loaded model with
         :meth:`quantize_` (``head=quantize_head``); ``dtype`` then defaults to bfloat16 (without a target).
+        ``device_mesh`` (a 1-D ``torch.distributed`` DeviceMesh, every rank calling) loads this rank's shards only
+        (docs/model.md §11); with ``target`` the LM-head shard is a view of the target's own head.
         """
+        parallel = TensorParallel.from_mesh(device_mesh) if device_mesh is not None else None
+        if parallel is not None and quantize is not None:
+            raise ValueError(f"quantize={quantize!r} with device_mesh=: quantized tensor-parallel models are not "
+                             "supported; load unquantized, or without a mesh")
         if quantize is not None:
             int8.check_scheme(quantize)
             arguments.check_bool("quantize_head", quantize_head)
@@ -90,9 +103,15 @@ class InklingMTP(nn.Module):
                 dtype = int8.ACTIVATION_DTYPE
         checkpoint = open_checkpoint(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
         with torch.device("meta"):
-            model = cls(checkpoint.config)
-        shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
-        own, lent = checkpoint.read_state(shapes, dtype=dtype, device=device, target=target, progress=progress)
+            model = cls(checkpoint.config, parallel)
+        shards = parallel.shards(checkpoint.config) if parallel is not None else {}
+        shapes = {name: shards[name].full_shape(p.shape) if name in shards else p.shape
+                  for name, p in model.named_parameters(remove_duplicate=False)}
+        own, lent = checkpoint.read_state(shapes, dtype=dtype, device=device, target=target, progress=progress,
+                                          shards=shards)
+        if parallel is not None and "lm_head_weight" in lent:  # this rank's rows of the target's head: no copy
+            lent["lm_head_weight"] = nn.Parameter(parallel.head_rows(lent["lm_head_weight"], checkpoint.config),
+                                                  requires_grad=False)
         model.requires_grad_(False)
         for name, param in lent.items():  # load_state_dict(assign=True) gives a Parameter our requires_grad: keep
             getattr(model, name).requires_grad_(param.requires_grad)  # the target's own
@@ -115,6 +134,8 @@ class InklingMTP(nn.Module):
         """
         int8.check_scheme(scheme)
         arguments.check_bool("head", head)
+        if self.parallel is not None:
+            raise ValueError("quantize_ on a tensor-parallel model is not supported: quantize an unsharded model")
         if self.quantization is not None:
             raise ValueError(f"this model is already quantized ({self.quantization.scheme}, "
                              f"head={self.quantization.head})")
@@ -137,12 +158,15 @@ class InklingMTP(nn.Module):
             raise CheckpointError("cannot save a quantized model: the raw Inkling layout holds no int8 tensors, and "
                                   "its int8 weights are a lossy copy; save the model before quantize_(), and load "
                                   "with from_pretrained(..., quantize='int8'), which quantizes again")
+        if self.parallel is not None:
+            raise CheckpointError("cannot save a tensor-parallel model: each rank holds only its shards; save the "
+                                  "checkpoint from an unsharded model (from_pretrained without device_mesh=)")
         save_checkpoint(path, self.config, dict(self.named_parameters(remove_duplicate=False)),
                         include_shared=include_shared)
 
     def new_cache(self, batch_size: int, max_length: int) -> MTPCache:
         """Static, position-addressed KV + conv-state buffers for every depth (free rollback)."""
-        return MTPCache(self.config, batch_size, max_length, self.dtype, self.device)
+        return MTPCache(self.local_config, batch_size, max_length, self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, previous_hidden: torch.Tensor,
                 cache: MTPCache | None = None, depth: int = 0,
@@ -183,15 +207,25 @@ class InklingMTP(nn.Module):
         return normed_embedding(self.embed_weight, input_ids, self.embed_norm_weight, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``(hidden / mup) @ lm_head.T`` truncated to the unpadded vocab: [..., logits_vocab_size]."""
+        """``(hidden / mup) @ lm_head.T`` truncated to the unpadded vocab: [..., logits_vocab_size] (tensor-parallel:
+        every rank's vocab rows, gathered)."""
         if not torch.compiler.is_compiling():
             validation.check_hidden(self, hidden)
         if self.quantized_head is not None:  # its rows are the unpadded vocab, its scales carry 1/mup
             return self.quantized_head(hidden)
+        if self.parallel is not None:
+            local = mup_logits(hidden, self.lm_head_weight, self.config.mup, self.lm_head_weight.shape[0])
+            return self.parallel.gather_logits(local, self.config.logits_vocab_size)
         return mup_logits(hidden, self.lm_head_weight, self.config.mup, self.config.logits_vocab_size)
 
     def get_top_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens [...]: argmax over the unpadded vocab (muP cannot change it)."""
+        """Greedy draft tokens [...]: argmax over the unpadded vocab (muP cannot change it); tensor-parallel, each
+        rank's argmax over its rows, then a [..., 2] (value, id) gather (docs/model.md §11)."""
+        if self.parallel is not None:
+            start, stop = self.parallel.vocab_rows(self.config)
+            kept = min(stop, self.config.logits_vocab_size) - start  # padded ids never win
+            local = mup_logits(hidden, self.lm_head_weight, self.config.mup, kept)
+            return self.parallel.top_tokens(local, start)
         return self.compute_logits(hidden).argmax(dim=-1)
 
     @property

@@ -94,7 +94,7 @@ def _check_cache(model: nn.Module, cache: MTPCache, batch: int) -> None:
     k = cache.depths[0].k
     if k.device != model.device or k.dtype != model.dtype:
         raise ValueError(f"cache is {k.dtype} on {k.device}, the model {model.dtype} on {model.device}")
-    for i, (d, g) in enumerate(zip(cache.depths, model.config.depths)):
+    for i, (d, g) in enumerate(zip(cache.depths, model.local_config.depths)):
         got, want = (*d.k.shape[2:], d.conv_attn.shape[-1]), (g.num_kv_heads, g.head_dim, model.config.hidden_size)
         if got != want:
             raise ValueError(f"cache depth {i} holds (kv heads, head dim, hidden) {got}, the model's depth {i} "

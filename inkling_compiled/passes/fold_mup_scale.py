@@ -8,7 +8,7 @@ by 1 ulp (the scaled hidden is no longer rounded to bf16 before the GEMM); in fp
 
 The pattern stops at the GEMM, so the slice to the unpadded vocab, an ``argmax`` (``get_top_tokens``) or a
 softmax stay behind as its consumers and never change what matches. Only the model's own spelling is registered,
-and only the model's ops match (see :func:`~inkling_compiled.passes.manager.emitted_by_model`). A tensor scale (0-d
+and only the model's ops match (see :func:`~inkling_compiled.passes.fusion.emitted_by_model`). A tensor scale (0-d
 or not) never matches: alpha must be a literal.
 """
 
@@ -25,7 +25,7 @@ from ..model.head import mup_logits
 if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import Match, PatternMatcherPass
 
-from .manager import Fusion, is_python_scalar, register, same_shape, tensor_meta
+from .fusion import Fusion, is_python_scalar, register, same_shape, tensor_meta
 
 # scalar_workaround stand-in for the scale: exact in fp32 and unequal to every other literal in these graphs.
 _SCALE_PLACEHOLDER = 1234.5

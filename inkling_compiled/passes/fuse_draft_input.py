@@ -33,7 +33,7 @@ from ..model.norm import rms_norm
 if TYPE_CHECKING:
     from torch._inductor.pattern_matcher import Match, PatternMatcherPass
 
-from .manager import Fusion, is_python_scalar, register, same_shape, tensor_meta, trace, trace_without_round_trips
+from .fusion import Fusion, is_python_scalar, register, same_shape, tensor_meta, trace, trace_without_round_trips
 
 # scalar_workaround stand-in for eps: exact in fp32 and unequal to every other literal in these graphs (2, -1,
 # True), so the traced pattern takes the graph's eps as an argument instead of ignoring it.

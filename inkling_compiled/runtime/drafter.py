@@ -45,7 +45,7 @@ import torch
 from .. import arguments
 from ..model.mtp import InklingMTP
 from ..torch_version import BEFORE_2_13
-from . import packaged
+from . import packaged, round_cache
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 # Compiled graphs per code object: (batch buckets x row buckets x greedy/sampled), times the two depth geometries for
@@ -130,7 +130,8 @@ class DraftSource(Protocol):
     sequence's last real row; ``draft_probs`` must be given when ``temperature > 0``. The loop validates its inputs
     up front against ``max_batch_size`` and ``max_length`` and then calls ``draft(..., validate=False)``. A drafter
     with a ``model`` attribute (an ``InklingMTP``) has its device, dtype, vocabulary and hidden size checked against
-    the target too.
+    the target too. Only multimodal prompts pass ``inputs_embeds`` (the rows in place of the tokens' embeddings,
+    docs/model.md §7); text-only drafters may leave it out of their signature.
     """
 
     max_batch_size: int
@@ -139,15 +140,17 @@ class DraftSource(Protocol):
 
     def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, *,
               temperature: float = 0.0, generator: torch.Generator | None = None,
-              validate: bool = True) -> DraftResult: ...
+              validate: bool = True, inputs_embeds: torch.Tensor | None = None) -> DraftResult: ...
 
 
 class CommittedRows:
-    """The last K committed rows of each sequence (token, position, target hidden), for re-running stale rows.
+    """The last K committed rows of each sequence (token, position, target hidden, and the row embedding a depth-0 call
+    read there), for re-running stale rows.
 
     Stored by position modulo K, so running a round again with the same rows rewrites the same slots with the same
     values (idempotent, like the position-addressed cache; a CUDA-graph warm-up relies on it). Empty slots hold
-    position -1.
+    position -1. ``embeds`` is written and read by rounds given multimodal rows only (``Drafter.draft(...,
+    inputs_embeds=...)``): a token round embeds its tokens itself.
     """
 
     def __init__(self, batch_size: int, size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
@@ -155,20 +158,23 @@ class CommittedRows:
         self.input_ids = torch.zeros(batch_size, size, dtype=torch.long, device=device)
         self.positions = torch.full((batch_size, size), -1, dtype=torch.long, device=device)
         self.hidden = torch.zeros(batch_size, size, hidden_size, dtype=dtype, device=device)
+        self.embeds = torch.zeros(batch_size, size, hidden_size, dtype=dtype, device=device)
 
-    def prepend(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def prepend(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The stored rows before the new ones (each sequence's K - 1 positions before its first new row; the others
-        marked padding), followed by the new rows."""
+        marked padding), followed by the new rows (and their embeddings, given ``embeds``)."""
         batch = positions.shape[0]
         stored = self.positions[:batch]
         first = torch.where(positions >= 0, positions, torch.iinfo(positions.dtype).max).amin(dim=1, keepdim=True)
         before = (stored < first) & (stored >= first - (self.size - 1))
-        return (torch.cat([self.input_ids[:batch], input_ids], dim=1),
+        rows = (torch.cat([self.input_ids[:batch], input_ids], dim=1),
                 torch.cat([torch.where(before, stored, -1), positions], dim=1),
                 torch.cat([self.hidden[:batch], hidden], dim=1))
+        return rows if embeds is None else (*rows, torch.cat([self.embeds[:batch], embeds], dim=1))
 
-    def remember(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+    def remember(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                 embeds: torch.Tensor | None = None) -> None:
         """Store the last K columns of a right-aligned window (>= K columns); sequences with no real row keep theirs."""
         batch, width = positions.shape
         last = positions[:, -1:]
@@ -177,8 +183,10 @@ class CommittedRows:
         keep = last >= 0
         for stored, new in ((self.input_ids, input_ids), (self.positions, positions)):
             stored[:batch].copy_(torch.where(keep, new.gather(1, column), stored[:batch]))
-        picked = hidden.gather(1, column[..., None].expand(-1, -1, hidden.shape[-1]))
-        self.hidden[:batch].copy_(torch.where(keep[..., None], picked, self.hidden[:batch]))
+        for stored, new in ((self.hidden, hidden), (self.embeds, embeds)):
+            if new is not None:
+                picked = new.gather(1, column[..., None].expand(-1, -1, new.shape[-1]))
+                stored[:batch].copy_(torch.where(keep[..., None], picked, stored[:batch]))
 
 
 class _BucketBuffers:
@@ -196,6 +204,7 @@ class _BucketBuffers:
         self.key = (batch, rows, sampled)
         self.compiled = False  # the round has run once for this bucket (compiled, and captured where it applies)
         self.written = (0, 0)  # (batch, rows) of the last call: the positions beyond it are padding (-1)
+        self.embeds: torch.Tensor | None = None  # the rows of multimodal calls, allocated by the first one
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, ...] | None = None
 
@@ -226,16 +235,22 @@ class Drafter:
     num_depths=K)``, or pass K). ``compile=False`` runs the eager model (same buffers and
     results); ``cuda_graphs`` defaults to on for CUDA models; ``graph_rows`` (default: the decode windows K and
     K + 1) are the window sizes that get an exact bucket and, on CUDA, a captured graph.
+
+    ``cached_rounds`` (default: on for K > 1 on CPU when compiling a model that can be packaged) runs each bucket's
+    round packaged, built on its first call and cached on disk for every later drafter and process
+    (``runtime/round_cache.py``, docs/compile.md §12.1); off, the round is K + 1 compiled calls, which on CPU cost
+    Dynamo's guards and Python each. CUDA is unaffected: there a round is one CUDA graph.
     """
 
     def __init__(self, model: InklingMTP, max_batch_size: int, max_length: int, *,
                  num_speculative_tokens: int | None = None, compile: bool = True, cuda_graphs: bool | None = None,
                  batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, graph_rows: tuple[int, ...] | None = None,
-                 compile_options: dict | None = None):
+                 compile_options: dict | None = None, cached_rounds: bool | None = None):
         _check_model(model)
         model.check_parameters()
         arguments.check_bool("compile", compile)
         arguments.check_bool("cuda_graphs", cuda_graphs, optional=True)
+        arguments.check_bool("cached_rounds", cached_rounds, optional=True)
         self.model = model
         self.num_speculative_tokens = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
         self.max_batch_size = arguments.positive_int("max_batch_size", max_batch_size)
@@ -264,6 +279,14 @@ class Drafter:
         self._shapes: dict[tuple[int, int, bool], _BucketBuffers] = {}
         self._packaged: dict[tuple[int, int, bool], functools.partial] = {}  # bucket key -> its packaged round
         self._pool = None
+        scheme = model.quantization.scheme if model.quantization is not None else ""
+        packable = compile and not on_cuda and not self._freezing and not scheme.startswith("torchao:")
+        if cached_rounds and not packable:
+            raise arguments.ArgumentError(
+                "cached_rounds=True needs compile=True, a CPU model, and one that can be packaged (no Inductor "
+                f"freezing, no torchao scheme); got compile={compile}, {model.device}, freezing={self._freezing}, "
+                f"quantization {scheme or None!r}")
+        self.cached_rounds = packable and k > 1 if cached_rounds is None else cached_rounds
 
     def _compiled(self, fn):
         return fn if self._compile_options is None else torch.compile(fn, **self._compile_options)
@@ -286,27 +309,32 @@ class Drafter:
 
     # -- the round: a compiled prologue, then one compiled step per depth (traced; our Inductor passes apply) ------
 
-    def _window(self, input_ids, positions, hidden):
+    def _window(self, input_ids, positions, hidden, embeds=None):
         """K > 1: the stored rows the round re-runs, then the new rows, each sequence right-aligned (padding -1
-        first, then positions ascending) in the bucket's width."""
+        first, then positions ascending) in the bucket's width; with ``embeds`` (multimodal rows) their rows too."""
         width = positions.shape[1]
-        input_ids, positions, hidden = self.history.prepend(input_ids, positions, hidden)
-        order = positions.argsort(dim=1, stable=True)[:, -width:]  # padding is -1: it sorts first
-        positions, input_ids = positions.gather(1, order), input_ids.gather(1, order)
-        hidden = hidden.gather(1, order[..., None].expand(-1, -1, hidden.shape[-1]))
-        self.history.remember(input_ids, positions, hidden)
-        return input_ids, positions, hidden
+        rows = self.history.prepend(input_ids, positions, hidden, embeds)
+        order = rows[1].argsort(dim=1, stable=True)[:, -width:]  # padding is -1: it sorts first
+        rows = tuple(t.gather(1, order if t.dim() == 2 else order[..., None].expand(-1, -1, t.shape[-1]))
+                     for t in rows)
+        self.history.remember(*rows)
+        return rows
 
-    def _depth(self, layer, depth_cache, input_ids, positions, previous, noise=None, inv_temperature=None):
+    def _depth(self, layer, depth_cache, input_ids, positions, previous, noise=None, inv_temperature=None,
+               embeds=None):
         """One depth over the rows (negative positions: padding); its draft from each sequence's last real row; the
         next depth's tokens (shifted one left, the draft after the last real row's token).
+
+        ``embeds`` (multimodal rows, docs/model.md §7) replaces the embedding of ``input_ids``; the next depth's rows
+        are then returned too, shifted like the tokens, the draft's embedding after the last real row.
 
         Padding rows pass zeros on: a padding row of a sliding depth sees no key (its softmax is NaN), and the next
         depth would write what it computes from that into its scratch slot, which full-attention rows read with
         probability 0 (0 * NaN = NaN)."""
         real = positions >= 0
         slots = torch.where(real, positions, self.cache.pad_position)
-        hidden = self.model.run_layer(layer, self.model.embed_tokens(input_ids), previous, slots, depth_cache)
+        rows = self.model.embed_tokens(input_ids) if embeds is None else embeds
+        hidden = self.model.run_layer(layer, rows, previous, slots, depth_cache)
         hidden = torch.where(real[..., None], hidden, 0.0)
         last_column = (torch.arange(positions.shape[1], device=positions.device) * real).amax(dim=1, keepdim=True)
         last = hidden.gather(1, last_column[..., None].expand(-1, -1, hidden.shape[-1])).squeeze(1)
@@ -316,19 +344,28 @@ class Drafter:
             probs = torch.softmax(self.model.compute_logits(last).float() * inv_temperature, dim=-1)
             draft = (probs / noise).argmax(dim=-1)
         next_ids = input_ids.roll(-1, dims=1).scatter(1, last_column, draft[:, None])
-        return (hidden, last, draft, next_ids) + ((probs,) if noise is not None else ())
+        outputs = (hidden, last, draft, next_ids) + ((probs,) if noise is not None else ())
+        if embeds is None:
+            return outputs
+        draft_rows = self.model.embed_tokens(draft[:, None])
+        return outputs + (embeds.roll(-1, dims=1).scatter(1, last_column[..., None].expand_as(draft_rows), draft_rows),)
 
-    def _round(self, window, depths, input_ids, positions, hidden, noise=None, inv_temperature=None):
+    def _round(self, window, depths, input_ids, positions, hidden, noise=None, inv_temperature=None, embeds=None):
         """The prologue (K > 1), then depth k = 0..K-1 by ``depths[k](input_ids, positions, hidden[, noise_k,
-        inv_temperature])``: the compiled steps (:attr:`_compiled_round`) or packaged ones (:meth:`load_compiled`)."""
+        inv_temperature])``: the compiled steps (:attr:`_compiled_round`) or packaged ones (:meth:`load_compiled`).
+        ``embeds``: multimodal rows in place of the tokens' embeddings (the compiled steps only)."""
+        rows = () if embeds is None else (embeds,)
         if self.history is not None:  # K = 1 re-runs nothing
-            input_ids, positions, hidden = window(input_ids, positions, hidden)
+            input_ids, positions, hidden, *rows = window(input_ids, positions, hidden, *rows)
         drafts, probs = [], []
         for k, depth in enumerate(depths):
             sampling = () if noise is None else (noise[k], inv_temperature)
-            hidden, last, draft, input_ids, *q = depth(input_ids, positions, hidden, *sampling)
+            extra = {} if not rows else {"embeds": rows[0]}
+            hidden, last, draft, input_ids, *rest = depth(input_ids, positions, hidden, *sampling, **extra)
+            if rows:
+                rows = (rest.pop(),)
             drafts.append(draft)
-            probs += q
+            probs += rest
         outputs = (torch.stack(drafts, dim=1), last)
         return outputs + (torch.stack(probs, dim=1),) if noise is not None else outputs
 
@@ -336,7 +373,7 @@ class Drafter:
 
     def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, *,
               temperature: float = 0.0, generator: torch.Generator | None = None,
-              validate: bool = True) -> DraftResult:
+              validate: bool = True, inputs_embeds: torch.Tensor | None = None) -> DraftResult:
         """Run the round over rows [B, T] and draft K tokens after each sequence's last real row.
 
         Row t of sequence b is (target hidden at ``positions[b, t]``, committed token at ``positions[b, t] + 1``);
@@ -344,10 +381,16 @@ class Drafter:
         sequence are consecutive positions. While decoding, pass the rows verified since the last call (the drafter
         re-runs stale rows itself). ``validate`` checks every argument (:meth:`check`: one host sync); callers that
         validated at their own boundary pass ``validate=False``, and then nothing is checked at all.
+
+        ``inputs_embeds`` [B, T, H] (multimodal prompts, docs/model.md §7): row t's input row in place of the
+        embedding of ``input_ids[:, t]``, i.e. the target's merged row of position ``positions[b, t] + 1`` (already
+        backbone-normed text rows, tower rows as the target saw them); deeper depths read them shifted like the
+        tokens. Such calls run the compiled (or eager) steps without CUDA graphs, one graph per bucket whatever the
+        prompt (a packaged drafter compiles them on first use).
         """
         if validate is not False:  # the loop's hot path passes False: anything else is checked, itself included
             arguments.check_bool("validate", validate)
-            self.check(input_ids, positions, hidden)
+            self.check(input_ids, positions, hidden, inputs_embeds)
             arguments.temperature(temperature)
             arguments.generator(generator, self.model.device)
         batch, rows = positions.shape
@@ -358,6 +401,8 @@ class Drafter:
         if shape.sampled:
             shape.noise.exponential_(generator=generator)
             shape.inv_temperature.fill_(1.0 / temperature)
+        if inputs_embeds is not None:
+            return self._draft_rows(shape, batch, rows, inputs_embeds)
         outputs = self._execute(shape)
         if shape.graph is not None:  # graph outputs live in the pool and are overwritten by the next replay
             outputs = [t[:batch].clone() for t in outputs]
@@ -365,7 +410,19 @@ class Drafter:
             outputs = [t[:batch] for t in outputs]
         return DraftResult(drafts=outputs[0], draft_probs=outputs[2] if shape.sampled else None, hidden=outputs[1])
 
-    def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+    def _draft_rows(self, shape: _BucketBuffers, batch: int, rows: int, inputs_embeds: torch.Tensor) -> DraftResult:
+        """A round over multimodal rows: the bucket's buffers plus its row buffer, through the compiled steps."""
+        if shape.embeds is None:
+            shape.embeds = torch.zeros_like(shape.hidden)
+        shape.embeds.zero_()
+        shape.embeds[:batch, -rows:].copy_(inputs_embeds.detach())
+        with torch.no_grad(), self._first_call_config():
+            outputs = self._compiled_round(*shape.args(), embeds=shape.embeds)
+        outputs = [t[:batch] for t in outputs]
+        return DraftResult(drafts=outputs[0], draft_probs=outputs[2] if shape.sampled else None, hidden=outputs[1])
+
+    def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+              inputs_embeds: torch.Tensor | None = None) -> None:
         """ValueError naming the problem for a bad batch, shape, id, position or value (one host sync)."""
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
             got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
@@ -378,6 +435,14 @@ class Drafter:
             raise ValueError(f"the model is now {self.model.dtype} on {self.model.device}, but this Drafter was built "
                              f"for it as {cache.dtype} on {cache.device}: build a new Drafter after moving the model")
         self.model.check_inputs(input_ids, positions, hidden, self.cache, drafting=True)
+        if inputs_embeds is not None and (not isinstance(inputs_embeds, torch.Tensor)
+                                          or inputs_embeds.shape != hidden.shape
+                                          or inputs_embeds.dtype != self.model.dtype
+                                          or inputs_embeds.device != self.model.device):
+            got = (tuple(inputs_embeds.shape), inputs_embeds.dtype, str(inputs_embeds.device)) \
+                if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
+            raise ValueError(f"inputs_embeds must be a {self.model.dtype} tensor on {self.model.device} shaped like "
+                             f"hidden {tuple(hidden.shape)}, got {got}")
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took."""
@@ -465,7 +530,8 @@ class Drafter:
 
     @property
     def packaged_buckets(self) -> tuple[tuple[int, int, bool], ...]:
-        """The (batch bucket, rows, sampled) buckets that run a packaged round (:meth:`load_compiled`)."""
+        """The (batch bucket, rows, sampled) buckets that run a packaged round (:meth:`load_compiled`, or from the
+        round cache)."""
         return tuple(self._packaged)
 
     def _round_of(self, shape: _BucketBuffers):
@@ -489,6 +555,10 @@ class Drafter:
         if shape.graph is not None:
             shape.graph.replay()
             return shape.outputs
+        if not shape.compiled and self.cached_rounds and shape.key not in self._packaged:
+            found = round_cache.cached_round(self, shape)  # None: the cache is off, or the build failed (warned)
+            if found is not None:
+                self._packaged[shape.key] = found
         step = self._round_of(shape)
         if shape.compiled or shape.key in self._packaged:  # the hot path: no config patching, which costs more than
             with torch.no_grad():                           # a tiny step (and a packaged round never needs it)

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import passes
 from ..atomic_files import build_directory_atomically
 from ..model.cache import DepthCache
 from ..model.mtp import InklingMTP, MTPDepth
@@ -54,7 +56,8 @@ FORMAT = "inkling_compiled.packaged/2"
 AOTI_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True,
                 "fx_graph_cache": False}
 # compared at load, in this order
-BUILT_FOR = ("config", "dtype", "quantization", "num_speculative_tokens", "device", "torch", "passes")
+BUILT_FOR = ("config", "dtype", "quantization", "num_speculative_tokens", "device", "torch", "passes",
+             "tensor_parallel")
 # what a drafter's package records of the drafter, to rebuild it at load
 LAYOUT_KEYS = ("max_batch_size", "max_length", "batch_buckets", "graph_rows", "buckets", "depth_steps")
 
@@ -152,10 +155,17 @@ def device_kind(device: torch.device) -> str:
 
 def pass_version(inductor_options: Mapping):
     """The uuid of the post-grad custom pass a compile with these options runs (the caller's override, else the
-    installed slot): our pass manager's uuid, a chain's list of uuids, or None for stock Inductor."""
-    from torch._inductor import config
+    installed slot): our pass manager's uuid, a chain's list of uuids, or None for stock Inductor. Before Inductor is
+    imported the slot can only come to hold our manager (the install pending) or nothing: read without importing it,
+    so that loading a package costs no Inductor (docs/architecture.md §1)."""
+    if "post_grad_custom_post_pass" in inductor_options:
+        slot = inductor_options["post_grad_custom_post_pass"]
+    elif passes.INDUCTOR in sys.modules:
+        from torch._inductor import config
 
-    slot = inductor_options.get("post_grad_custom_post_pass", config.post_grad_custom_post_pass)
+        slot = config.post_grad_custom_post_pass
+    else:
+        return passes.version() if passes.pending() else None
     if slot is None:
         return None
     uuid = slot.uuid() if callable(getattr(slot, "uuid", None)) else None
@@ -171,7 +181,9 @@ def built_for(model: InklingMTP, inductor_options: Mapping, num_speculative_toke
     return {"config": digest, "config_fields": fields, "dtype": str(model.dtype),
             "quantization": None if quantization is None else f"{quantization.scheme} head={quantization.head}",
             "num_speculative_tokens": num_speculative_tokens, "device": device_kind(model.device),
-            "torch": torch.__version__, "passes": pass_version(inductor_options)}
+            "torch": torch.__version__, "passes": pass_version(inductor_options),
+            # a rank's steps hold its shard sizes and vocab offset: a package serves only the rank that built it
+            "tensor_parallel": None if (tp := model.parallel) is None else f"rank {tp.rank} of {tp.world_size}"}
 
 
 def mismatch(directory, manifest: dict, here: dict) -> PackageMismatch | None:
@@ -340,7 +352,7 @@ def _step_name(key: tuple[int, int, bool], step: str) -> str:
     return f"b{batch}-r{rows}-{'sampled' if sampled else 'greedy'}-{step}"
 
 
-def _geometry_depths(drafter) -> list[int]:
+def geometry_depths(drafter) -> list[int]:
     """For each depth 0..K-1 of ``drafter``, the first depth of its geometry: the one whose step every depth of it
     runs."""
     geometries = drafter.model.config.depths
@@ -376,14 +388,14 @@ def save_rounds(drafter, directory, buckets: Sequence) -> Path:
         if drafter.history is not None:
             steps[_step_name(buffers.key, "window")] = (drafter._window, inputs, _history_state(drafter))
         sampling = (buffers.noise[0], buffers.inv_temperature) if buffers.sampled else ()
-        for k in sorted(set(_geometry_depths(drafter))):
+        for k in sorted(set(geometry_depths(drafter))):
             step = functools.partial(drafter._depth, model.layers[k], drafter.cache.depths[k])
             steps[_step_name(buffers.key, f"depth{k}")] = (step, inputs + sampling, _depth_state(drafter, k))
     layout = {"max_batch_size": drafter.max_batch_size, "max_length": drafter.max_length,
               "graph_rows": drafter.graph_rows,
               # the buckets a new Drafter given these rebuilds, with the same largest graph bucket
               "batch_buckets": [b for b in drafter.batch_buckets if b <= drafter.graph_batch_limit],
-              "buckets": [buffers.key for buffers in buckets], "depth_steps": _geometry_depths(drafter)}
+              "buckets": [buffers.key for buffers in buckets], "depth_steps": geometry_depths(drafter)}
     options = drafter._inductor_options
     return save(directory, steps, built_for=built_for(model, options, drafter.num_speculative_tokens), layout=layout,
                 inductor_options=options)

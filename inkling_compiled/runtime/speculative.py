@@ -6,17 +6,18 @@ docs/protocol.md §6.3-§6.5, §6.7, §6.9; the loop's contract with its drafter
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from .. import arguments
 from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
 from .drafter import DraftResult, DraftSource
+from .multimodal import merged_rows
 from .target_cache import rollback_rows, select_rows
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
@@ -64,15 +65,18 @@ def _text_config(target):
 
 
 def _target_step(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, *, last_only: bool,
-                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over ``input_ids`` [B, T] continuing ``cache``.
+                 dtype: torch.dtype | None = None, inputs_embeds: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over ``input_ids`` [B, T] (or their merged multimodal rows ``inputs_embeds``) continuing
+    ``cache``.
 
     Returns (post-final-norm hidden [B, T, H], in ``dtype`` when given, float32 logits [B, T or 1, V]); the logits
     are computed with exactly the operations of the target's own forward (hidden / muP -> lm_head -> drop the padded
     vocabulary rows), from the hidden in the target's own dtype.
     """
     model = target.model
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{cache_argument(model): cache})
+    inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+    out = model(**inputs, attention_mask=attention_mask, use_cache=True, **{cache_argument(model): cache})
     hidden = out.last_hidden_state
     text = _text_config(target)
     scaled = hidden / text.logits_mup_width_multiplier
@@ -91,6 +95,11 @@ def target_distribution(logits: torch.Tensor, temperature: float, top_p: float =
     Top-p keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (a token is dropped when the
     mass of the tokens ranked strictly above it is already >= top_p; the most probable token is always kept).
     """
+    return temperature_top_p_scores(logits, temperature, top_p).softmax(dim=-1)
+
+
+def temperature_top_p_scores(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """``top_p(logits / temperature)`` in float32: the scores whose softmax is :func:`target_distribution`."""
     scaled = logits.float() / temperature
     if top_p < 1.0:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
@@ -99,7 +108,7 @@ def target_distribution(logits: torch.Tensor, temperature: float, top_p: float =
         drop_sorted = mass_above >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
-    return scaled.softmax(dim=-1)
+    return scaled
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -218,23 +227,388 @@ def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor | None = None, *,
                          max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                          eos_token_id: int | list[int] | torch.Tensor | None = None, pad_token_id: int | None = None,
-                         generator: torch.Generator | None = None, lockstep: bool = False) -> SpeculativeOutput:
+                         generator: torch.Generator | None = None, lockstep: bool = False,
+                         pixel_values: torch.Tensor | None = None, audio_input_ids: torch.Tensor | None = None,
+                         audio_input_ids_mask: torch.Tensor | None = None,
+                         mm_encoder_outputs: dict | None = None) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` tokens per sequence with MTP speculative decoding, as many drafts per round
-    as the drafter proposes (``Drafter(num_speculative_tokens=K)``; docs/protocol.md §6.10).
+    as the drafter proposes (``Drafter(num_speculative_tokens=K)``; docs/protocol.md §6.10; behind generate: §6.11).
 
     ``input_ids`` [B, L] is left-padded as described by ``attention_mask`` (1 = real token); ``temperature == 0``
     is greedy (``top_p`` ignored), otherwise tokens follow ``softmax(top_p(logits / temperature))`` exactly.
     ``generator`` (on the target's device) drives every random draw of the loop and is passed to the drafter.
     Each sequence advances by its own accepted length; ``lockstep=True`` advances the batch by its shortest one (the
-    benchmark's baseline; same tokens, more rounds). Raises ``ValueError`` on bad arguments before any model call.
+    benchmark's baseline; same tokens, more rounds). ``pixel_values`` / ``audio_input_ids`` (with their
+    ``audio_input_ids_mask``) / ``mm_encoder_outputs`` are the target's multimodal inputs, as ``generate`` takes
+    them: the target's prefill reads the merged rows, and so does the drafter's (docs/model.md §7). Raises
+    ``ValueError`` on bad arguments before any model call.
     """
     input_ids, attention_mask, eos, pad_token_id = _validate(target, drafter, input_ids, attention_mask,
                                                              max_new_tokens, temperature, top_p, generator, lockstep,
                                                              eos_token_id, pad_token_id)
+    if temperature == 0:
+        decoding = Decoding()
+    else:
+        decoding = Decoding(greedy=False, draft_temperature=float(temperature),
+                            scores=lambda context, logits, rows: temperature_top_p_scores(logits, temperature, top_p))
     with torch.no_grad():
-        return _run(target, drafter, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                    temperature=float(temperature), top_p=float(top_p), eos=eos, pad_token_id=pad_token_id,
-                    generator=generator, lockstep=lockstep)
+        rows = merged_rows(target, input_ids, pixel_values=pixel_values, audio_input_ids=audio_input_ids,
+                           audio_input_ids_mask=audio_input_ids_mask, mm_encoder_outputs=mm_encoder_outputs)
+        return run_loop(target, drafter, input_ids, attention_mask, decoding, max_new_tokens=max_new_tokens, eos=eos,
+                        pad_token_id=pad_token_id, generator=generator, lockstep=lockstep, rows=rows)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How the loop turns the target's logits (and the draft's distributions) into tokens, and what else ends a row:
+    :func:`speculative_generate`'s temperature / top-p, or ``generate``'s logits processors and stopping criteria
+    (runtime/hf_generate.py).
+
+    ``scores(context, logits [n, V], rows)`` gives the processed scores the token is the argmax of (greedy) or
+    sampled from the softmax of; ``context`` [n, L] holds each row's tokens before that position (its left-padded
+    prompt, then its new tokens) and ``rows`` [n] their batch rows, both passed only with ``needs_context`` (else
+    None, one call for every row and column). ``draft_scores`` processes each draft's log-distribution the same way
+    (sampling); the draft is then re-drawn from it by a maximal coupling, so it stays the drafter's token whenever
+    it can. ``stop(sequences [n, L]) -> bool [n]`` is a stopping
+    criterion checked after every emitted token; with ``pad_after_stop`` a row it ends is finished (padding after),
+    without it (``generate`` with no EOS id) the row goes on until every row has been stopped once.
+    """
+
+    greedy: bool = True
+    draft_temperature: float = 0.0
+    scores: Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    needs_context: bool = False
+    draft_scores: Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    stop: Callable[[torch.Tensor], torch.Tensor] | None = None
+    pad_after_stop: bool = True
+    streamer: object | None = None
+
+
+class _Batch:
+    """Every row's output: the left-padded prompt and the new tokens (device), each row's count and limit (host,
+    mirrored on the device), which rows are done, what the streamer has been given, the per-round statistics."""
+
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, k: int, pad_token_id: int):
+        batch = prompt.shape[0]
+        self.prompt, self.pad, self.k = prompt, pad_token_id, k
+        self.out = torch.full((batch, max_new_tokens + k + 1), pad_token_id, dtype=torch.long, device=prompt.device)
+        self.count = torch.zeros(batch, dtype=torch.long, device=prompt.device)
+        self.counts, self.limits = [0] * batch, [max_new_tokens] * batch
+        self.limit = torch.full((batch,), max_new_tokens, dtype=torch.long, device=prompt.device)
+        self.done = [False] * batch
+        self.stopped_at: list[int | None] = [None] * batch  # without pad_after_stop: the new-token count at the stop
+        self.streamed = 0
+        self.stats: list[torch.Tensor] = []
+
+    def contexts(self, rows: list[int], extra: torch.Tensor):
+        """(indices into ``rows``, their batch rows, tokens [n, L + count + j]) per group of rows with equal counts:
+        each row's prompt, new tokens, then its ``extra`` [len(rows), j] tokens."""
+        groups: dict[int, list[int]] = {}
+        for i, b in enumerate(rows):
+            groups.setdefault(self.counts[b], []).append(i)
+        for count, members in groups.items():
+            index = torch.tensor(members, device=extra.device)
+            batch_rows = torch.tensor([rows[i] for i in members], device=extra.device)
+            yield index, batch_rows, torch.cat([self.prompt[batch_rows], self.out[batch_rows, :count], extra[index]],
+                                               dim=1)
+
+    def width(self) -> int:
+        return min(max(self.counts), max(self.limits))
+
+
+@dataclass
+class _Live:
+    """The unfinished rows, in the target's batch order: their batch indices (device, and host in ``index``), x_F
+    (not yet in the target cache) and its position F, the target's attention mask, the drafts and their
+    distributions."""
+
+    rows: torch.Tensor
+    index: list[int]
+    last: torch.Tensor
+    last_pos: torch.Tensor
+    mask: torch.Tensor
+    drafts: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+
+    def keep(self, cache, kept: list[int]) -> _Live:
+        """The rows at ``kept`` (positions in this batch), the target cache cut to them."""
+        at = torch.tensor(kept, device=self.rows.device)
+        select_rows(cache, at)
+        return _Live(self.rows[at], [self.index[i] for i in kept], *(None if t is None else t[at] for t in
+                                                                     (self.last, self.last_pos, self.mask,
+                                                                      self.drafts, self.q)))
+
+
+def run_loop(target, drafter, input_ids, attention_mask, decoding: Decoding, *, max_new_tokens: int, eos: list[int],
+             pad_token_id: int, generator, lockstep: bool, rows: torch.Tensor | None = None) -> SpeculativeOutput:
+    """The speculative loop over validated inputs: prefill, then rounds of verify, emit, advance (and draft)."""
+    device = input_ids.device
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
+    # A drafter may run in another dtype than the target (a bf16 / int8 draft head beside an fp32 target, holding its
+    # own copy of the shared tensors): it gets the target's hiddens in its own dtype.
+    draft_dtype = getattr(getattr(drafter, "model", None), "dtype", None)
+    k = drafter.num_speculative_tokens
+    batch = _Batch(input_ids, max_new_tokens, k, pad_token_id)
+    cache = _new_cache(target)
+    live, hidden, goes = _prefill(target, input_ids, attention_mask, rows, cache, batch, decoding, eos_t, generator,
+                                  draft_dtype)
+    if live is not None:  # depth k of the prompt's row t reads x_{t+k+1}: the prompt shifted once, then x_L
+        length = input_ids.shape[1]
+        positions = torch.arange(length, device=device)[None, :] - (length - attention_mask.sum(dim=1))[:, None]
+        draft_rows = None if rows is None else torch.cat([rows[:, 1:], _embed(target, live.last)], dim=1)
+        result = _draft(drafter, decoding, torch.cat([input_ids[:, 1:], live.last], dim=1), positions, hidden,
+                        draft_rows, generator)
+        if not all(goes):
+            live = live.keep(cache, [b for b, g in enumerate(goes) if g])
+        live = _with_proposals(live, result, decoding, batch, generator)
+        reach = _rows_reach(target, input_ids, attention_mask, rows, k)
+        lockstep = lockstep or _storage_may_reach_log_scaling(target, length, max_new_tokens, k)
+    while live is not None:
+        hidden, tokens, accepted_len = _verify(target, live, cache, decoding, batch, generator, draft_dtype)
+        keep = accepted_len + 1  # accepted drafts, then the row's correction (or bonus)
+        if lockstep:  # every row keeps as many as the row that accepted the fewest
+            keep = keep.amin().expand(len(live.index))
+        # K > 1 re-runs up to K - 1 stored rows: while one reads a tower row of the prompt, the drafter gets rows too
+        reads_prompt = any(batch.counts[b] <= reach[b] for b in live.index)
+        kept, goes = _emit(batch, live, tokens, keep, decoding, eos_t, accepted_len=accepted_len)
+        live = _advance(target, drafter, cache, live, hidden, tokens, kept, goes, decoding, batch, generator,
+                        prompt_rows=reads_prompt)
+    _stream(batch, decoding.streamer, final=True)
+    return _output(input_ids, batch.out[:, :batch.width()], batch.stats, k)
+
+
+def _rows_reach(target, input_ids, attention_mask, rows, k: int) -> list[int]:
+    """Per row, the largest count of new tokens at which a round's re-run rows (up to K - 1 stored rows before the
+    frontier F = L - 1 + count, reading positions from F - K + 2 on) still read a tower row of the prompt; -1 if
+    none ever does (no multimodal rows, K = 1, or enough text after the last one)."""
+    if rows is None or k == 1:
+        return [-1] * input_ids.shape[0]
+    tower = (rows != _embed(target, input_ids)).any(dim=-1) & attention_mask.bool()  # [B, L]
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = torch.where(tower, columns, -1).amax(dim=1)  # the last tower column of each row
+    pad_left = input_ids.shape[1] - attention_mask.sum(dim=1)
+    # the last tower position p (real position last - pad_left) is read while p >= L + count - K + 1
+    reach = torch.where(last >= 0, last - pad_left - attention_mask.sum(dim=1) + k - 1, -1)
+    return reach.tolist()
+
+
+def _embed(target, input_ids: torch.Tensor) -> torch.Tensor:
+    """The target's (normed) embedding of text tokens: the merged rows' value at a text position."""
+    return target.get_input_embeddings()(input_ids)
+
+
+def _scores(decoding: Decoding, batch: _Batch, rows: list[int], logits: torch.Tensor, fed: torch.Tensor
+            ) -> torch.Tensor:
+    """The processed scores of ``logits`` [R, T, V], column j following each row's tokens and ``fed[:, :j]``."""
+    if decoding.scores is None:
+        return logits
+    if not decoding.needs_context:
+        return decoding.scores(None, logits.reshape(-1, logits.shape[-1]), None).view(logits.shape)
+    return torch.stack([_column_scores(decoding.scores, decoding, batch, rows, logits[:, j], fed[:, :j])
+                        for j in range(logits.shape[1])], dim=1)
+
+
+def _column_scores(score, decoding: Decoding, batch: _Batch, rows: list[int], logits: torch.Tensor,
+                   fed: torch.Tensor) -> torch.Tensor:
+    """``score`` of one column ``logits`` [R, V] following each row's tokens and ``fed`` [R, j]."""
+    if not decoding.needs_context:
+        return score(None, logits, None)
+    scores = torch.empty_like(logits)
+    for members, batch_rows, context in batch.contexts(rows, fed):
+        scores[members] = score(context, logits[members], batch_rows)
+    return scores
+
+
+def _choose(decoding: Decoding, scores: torch.Tensor, generator) -> torch.Tensor:
+    """The target's token from processed scores [..., V]: their argmax, or a sample of their softmax."""
+    return scores.argmax(-1) if decoding.greedy else _sample(scores.softmax(dim=-1), generator)
+
+
+# -- the steps --------------------------------------------------------------------------------------------------
+
+
+def _new_cache(target):
+    """The target's own ``DynamicCache``, imported here: importing the runtime must not import transformers."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=target.config)
+
+
+def _prefill(target, input_ids, attention_mask, rows, cache, batch: _Batch, decoding: Decoding, eos_t, generator,
+             draft_dtype) -> tuple[_Live | None, torch.Tensor, list[bool]]:
+    """The target over the prompt (its merged rows when given) and its first token, emitted; the live rows."""
+    hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True, dtype=draft_dtype,
+                                  inputs_embeds=rows)
+    every = list(range(input_ids.shape[0]))
+    first = _choose(decoding, _scores(decoding, batch, every, logits, input_ids[:, :0]), generator)  # [B, 1]
+    cache.activate_past_recording()  # after the prefill: only the verify rows need history for the rollback
+    device = input_ids.device
+    real_positions = attention_mask.sum(dim=1, keepdim=True)
+    live = _Live(torch.arange(len(every), device=device), every, first, real_positions, attention_mask)
+    _, goes = _emit(batch, live, first, torch.ones(len(every), dtype=torch.long, device=device), decoding, eos_t)
+    return (live if any(goes) else None), hidden, goes
+
+
+def _draft(drafter, decoding: Decoding, input_ids, positions, hidden, rows, generator):
+    # Every drafter call passes rows this loop built from inputs validated up front (batch, ids, positions <
+    # max_length): the drafter skips its own validation, which would read them again (host syncs).
+    extra = {} if rows is None else {"inputs_embeds": rows if hidden.dtype == rows.dtype else rows.to(hidden.dtype)}
+    return drafter.draft(input_ids, positions, hidden, temperature=decoding.draft_temperature, generator=generator,
+                         validate=False, **extra)
+
+
+def _with_proposals(live: _Live, result, decoding: Decoding, batch: _Batch, generator) -> _Live:
+    """``live`` with the drafts of ``result`` (its rows' own), processed like the target's (``draft_scores``)."""
+    drafts, q = _proposals(result, live.rows.device)
+    drafts, q = drafts[live.rows], None if q is None else q[live.rows]
+    if drafts.shape[1] != batch.k:
+        raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, its num_speculative_tokens is {batch.k}")
+    if not decoding.greedy:
+        if q is None:
+            raise ValueError("the drafter returned no probs for temperature > 0")
+        if decoding.draft_scores is not None:
+            drafts, q = _couple(decoding, batch, live.index, drafts, q, generator)
+    live.drafts, live.q = drafts, q
+    return live
+
+
+def _couple(decoding: Decoding, batch: _Batch, rows: list[int], drafts, q, generator):
+    """Drafts re-drawn from the processed draft distributions q'_j (draft j following the re-drawn drafts before
+    it): kept with probability min(1, q'(d) / q(d)), else a sample of normalize(max(0, q' - q)), which has law q'
+    exactly (the verification's own rule) and keeps the drafter's token as often as any coupling can."""
+    new_drafts, new_q = drafts.clone(), torch.empty_like(q)
+    for j in range(drafts.shape[1]):
+        log_q = q[:, j].clamp_min(0).log()
+        new_q[:, j] = _column_scores(decoding.draft_scores, decoding, batch, rows, log_q,
+                                     new_drafts[:, :j]).softmax(dim=-1)
+        _, new_drafts[:, j] = _verify_sampled(new_q[:, j], q[:, j], drafts[:, j], generator)
+    return new_drafts, new_q
+
+
+def _verify(target, live: _Live, cache, decoding: Decoding, batch: _Batch, generator, draft_dtype):
+    """The target over [x_F, d_1..d_K] at F..F+K: its hiddens, the row's tokens (drafts, then the correction or
+    bonus, [R, K + 1]) and each row's accepted count a_b."""
+    k = live.drafts.shape[1]
+    live.mask = torch.cat([live.mask, live.mask.new_ones(len(live.index), k + 1)], dim=1)
+    hidden, logits = _target_step(target, torch.cat([live.last, live.drafts], dim=1), live.mask, cache,
+                                  last_only=False, dtype=draft_dtype)
+    scores = _scores(decoding, batch, live.index, logits, live.drafts)
+    if decoding.greedy:
+        tokens = scores.argmax(-1)  # [R, K+1]: the target's token for F+1..F+K+1
+        accepted = tokens[:, :k] == live.drafts
+    else:
+        if live.q.shape[-1] != logits.shape[-1]:
+            raise ValueError(f"drafter probs cover {live.q.shape[-1]} tokens, target logits {logits.shape[-1]}")
+        p = scores.softmax(dim=-1)
+        accepted, tokens = _verify_sampled(p[:, :k], live.q, live.drafts, generator)
+        tokens = torch.cat([tokens, _sample(p[:, k], generator)[:, None]], dim=1)  # the bonus token last
+    return hidden, tokens, accepted.long().cumprod(dim=1).sum(dim=1)
+
+
+def _emit(batch: _Batch, live: _Live, tokens: torch.Tensor, keep: torch.Tensor, decoding: Decoding, eos_t,
+          accepted_len: torch.Tensor | None = None) -> tuple[list[int], list[bool]]:
+    """Write each live row's first ``keep`` tokens, cut at its first EOS, its limit and its first stop; record the
+    round's statistics; stream the columns every row now has. Returns each row's kept count and whether it goes
+    on. The one host sync of a round."""
+    columns = torch.arange(tokens.shape[1], device=tokens.device)
+    eos_hit = torch.isin(tokens, eos_t) if eos_t is not None else torch.zeros_like(tokens, dtype=torch.bool)
+    before_eos = eos_hit.long().cumsum(dim=1) - eos_hit.long() == 0  # columns up to the row's first EOS
+    row_count = batch.count[live.rows]
+    emit = (columns < keep[:, None]) & (columns < (batch.limit[live.rows] - row_count)[:, None]) & before_eos
+    emitted = emit.sum(dim=1)
+    values = torch.cat([keep, emitted, (emit & eos_hit).any(dim=1).long()]).tolist()
+    n = len(live.index)
+    kept, counts, ended = values[:n], values[n:2 * n], [bool(v) for v in values[2 * n:]]
+    if decoding.stop is not None:
+        stopped = _stops(batch, live.index, tokens, counts, decoding)
+        for i, at in stopped.items():
+            if decoding.pad_after_stop:
+                counts[i], ended[i] = at, True
+            elif batch.stopped_at[live.index[i]] is None:
+                batch.stopped_at[live.index[i]] = batch.counts[live.index[i]] + at
+        if decoding.pad_after_stop and stopped:
+            emitted = torch.tensor(counts, device=tokens.device)
+    batch.out[live.rows[:, None], row_count[:, None] + columns] = torch.where(columns < emitted[:, None], tokens,
+                                                                              batch.pad)
+    batch.count.index_add_(0, live.rows, emitted)
+    for b, c, e in zip(live.index, counts, ended):
+        batch.counts[b] += c
+        batch.done[b] = e or batch.counts[b] >= batch.limits[b]
+    if all(at is not None for at in batch.stopped_at):  # without padding: the batch ends at the last row's stop
+        end = max(batch.stopped_at)
+        batch.limits = [end] * len(batch.limits)
+        batch.limit.fill_(end)
+        batch.done = [c >= end for c in batch.counts]
+    if accepted_len is not None:
+        k = tokens.shape[1] - 1
+        prefix = accepted_len[:, None] > columns[:k]  # [R, K]
+        batch.stats.append(torch.cat([accepted_len.new_full((1,), n * k), accepted_len.sum()[None],
+                                      prefix.sum(dim=0), emitted.sum()[None]]))
+    _stream(batch, decoding.streamer)
+    return kept, [not batch.done[b] for b in live.index]
+
+
+def _stops(batch: _Batch, rows: list[int], tokens: torch.Tensor, counts: list[int], decoding: Decoding
+           ) -> dict[int, int]:
+    """For each live row (index into ``rows``) that ``decoding.stop`` ends within its ``counts[i]`` new tokens: the
+    number of those tokens up to and including the one after which it fired."""
+    stopped: dict[int, int] = {}
+    for j in range(max(counts, default=0)):
+        pending = [i for i in range(len(rows)) if counts[i] > j and i not in stopped]
+        if not pending:
+            break
+        at = torch.tensor(pending, device=tokens.device)
+        for members, _, context in batch.contexts([rows[i] for i in pending], tokens[at, :j + 1]):
+            for m, fired in zip(members.tolist(), decoding.stop(context).tolist()):
+                if fired:
+                    stopped[pending[m]] = j + 1
+    return stopped
+
+
+def _stream(batch: _Batch, streamer, final: bool = False) -> None:
+    """Give the streamer the columns every row now has (the rows that are done have them all), in order: the
+    tokens themselves for one sequence, one [B] column at a time for a batch, as ``generate`` does; ``end`` once."""
+    if streamer is None:
+        return
+    open_counts = [c for c, done in zip(batch.counts, batch.done) if not done]
+    upto = batch.width() if final or not open_counts else min(open_counts)
+    if upto > batch.streamed:
+        new = batch.out[:, batch.streamed:upto].cpu()
+        for chunk in ([new[0]] if new.shape[0] == 1 else new.T):
+            streamer.put(chunk)
+        batch.streamed = upto
+    if final:
+        streamer.end()
+
+
+def _advance(target, drafter, cache, live: _Live, hidden, tokens, kept: list[int], goes: list[bool],
+             decoding: Decoding, batch: _Batch, generator, *, prompt_rows: bool) -> _Live | None:
+    """Roll the target back over each row's rejected rows, feed the drafter each row's verified rows and take its
+    drafts; the rows that finished drop out. None when every row is done."""
+    if not any(goes):
+        return None
+    k = tokens.shape[1] - 1
+    longest = max(n for n, g in zip(kept, goes) if g)
+    # (a row that finished here is cropped like the row that kept the most: it is dropped below anyway)
+    live.mask = rollback_rows(cache, live.mask, [k + 1 - (n if g else longest) for n, g in zip(kept, goes)])
+    device = tokens.device
+    keep = torch.tensor(kept, device=device)
+    going = torch.tensor(goes, device=device)
+    columns = torch.arange(longest, device=device)
+    real = going[:, None] & (columns < keep[:, None])
+    rows_ids = torch.where(real, tokens[:, :longest], batch.pad)
+    rows_pos = torch.where(real, live.last_pos + columns, -1)
+    rows_hidden = hidden[:, :longest]
+    full = len(batch.counts)
+    if len(live.index) < full:  # the drafter's cache rows are the batch's: the rows that dropped out get padding
+        rows_ids, rows_pos, rows_hidden = (_scatter_rows(t, live.rows, full, fill) for t, fill in
+                                           ((rows_ids, batch.pad), (rows_pos, -1), (rows_hidden, 0)))
+    rows = _embed(target, rows_ids) if prompt_rows else None
+    result = _draft(drafter, decoding, rows_ids, rows_pos, rows_hidden, rows, generator)
+    live.last, live.last_pos = tokens.gather(1, (keep - 1)[:, None]), live.last_pos + keep[:, None]
+    if not all(goes):  # rows finished this round: they drop out of the target's batch (rarely)
+        live = live.keep(cache, [i for i, g in enumerate(goes) if g])
+    return _with_proposals(live, result, decoding, batch, generator)
 
 
 def _proposals(result: DraftResult, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -243,129 +617,6 @@ def _proposals(result: DraftResult, device) -> tuple[torch.Tensor, torch.Tensor 
         raise TypeError(f"drafter.draft must return a DraftResult, got {type(result).__name__}")
     probs = result.draft_probs
     return result.drafts.to(device=device, dtype=torch.long), None if probs is None else probs.to(device)
-
-
-def _run(target, drafter, input_ids, attention_mask, *, max_new_tokens, temperature, top_p, eos, pad_token_id,
-         generator, lockstep) -> SpeculativeOutput:
-    device = input_ids.device
-    batch, length = input_ids.shape
-    greedy = temperature == 0.0
-    draft_temperature = 0.0 if greedy else temperature
-    eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
-    # A drafter may run in another dtype than the target (a bf16 / int8 draft head beside an fp32 target, holding its
-    # own copy of the shared tensors): it gets the target's hiddens in its own dtype.
-    draft_dtype = getattr(getattr(drafter, "model", None), "dtype", None)
-
-    def choose(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
-        return logits.argmax(-1) if greedy else _sample(target_distribution(logits, temperature, top_p), generator)
-
-    def is_eos(tokens: torch.Tensor) -> torch.Tensor:
-        if eos_t is None:
-            return torch.zeros_like(tokens, dtype=torch.bool)
-        return torch.isin(tokens, eos_t)
-
-    # -- prefill ------------------------------------------------------------------------------------------------
-    cache = DynamicCache(config=target.config)
-    hidden, logits = _target_step(target, input_ids, attention_mask, cache, last_only=True, dtype=draft_dtype)
-    first = choose(logits[:, -1])
-    finished = is_eos(first)
-    cache.activate_past_recording()  # after the prefill: only the verify rows need history for the rollback
-
-    if max_new_tokens == 1 or (eos_t is not None and bool(finished.all())):  # done: no draft needed
-        return _output(input_ids, first[:, None], [], drafter.num_speculative_tokens)
-
-    pad_left = length - attention_mask.sum(dim=1)  # [B]
-    positions = torch.arange(length, device=device)[None, :] - pad_left[:, None]  # real-token positions, < 0 = pad
-    draft_ids = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
-    # Every drafter call passes rows this loop built from inputs validated up front (batch, ids, positions <
-    # max_length): the drafter skips its own validation, which would read them again (host syncs).
-    result = drafter.draft(draft_ids, positions, hidden, temperature=draft_temperature, generator=generator,
-                           validate=False)
-    drafts, q = _proposals(result, device)
-    k = drafts.shape[1]  # drafts per round
-    lockstep = lockstep or _storage_may_reach_log_scaling(target, length, max_new_tokens, k)
-    columns = torch.arange(k + 1, device=device)
-    # Every row's new tokens at columns 0..count_b - 1 (the rest pad), with room for one round past max_new_tokens.
-    out = torch.full((batch, max_new_tokens + k + 1), pad_token_id, dtype=torch.long, device=device)
-    out[:, 0] = first
-    count = torch.ones(batch, dtype=torch.long, device=device)
-    # Only unfinished rows go on: `rows` are their indices in the batch, and `last` (x_F, not yet in the target
-    # cache), `last_pos` (F), the drafts, `mask` and the target cache hold those rows alone.
-    rows, last, last_pos = torch.arange(batch, device=device), first[:, None], positions[:, -1:] + 1
-    state = (rows, last, last_pos, attention_mask, drafts, q)
-    if eos_t is not None and bool(finished.any()):
-        state = _drop_finished(cache, (~finished).nonzero().squeeze(1), state)
-    rows, last, last_pos, mask, drafts, q = state
-
-    stats: list[torch.Tensor] = []
-    while True:
-        if drafts.shape[1] != k:
-            raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, {k} at the prefill")
-        live = rows.shape[0]
-        # -- verify [x_F, d_1..d_K] at F..F+K ---------------------------------------------------------------------
-        mask = torch.cat([mask, mask.new_ones(live, k + 1)], dim=1)
-        hidden, logits = _target_step(target, torch.cat([last, drafts], dim=1), mask, cache, last_only=False,
-                                      dtype=draft_dtype)
-        if greedy:
-            tokens = logits.argmax(-1)  # [B, K+1]: the target's token for F+1..F+K+1
-            accepted = tokens[:, :k] == drafts
-        else:
-            if q is None:
-                raise ValueError("the drafter returned no probs for temperature > 0")
-            if q.shape[-1] != logits.shape[-1]:
-                raise ValueError(f"drafter probs cover {q.shape[-1]} tokens, target logits {logits.shape[-1]}")
-            p = target_distribution(logits, temperature, top_p)
-            accepted, tokens = _verify_sampled(p[:, :k], q, drafts, generator)
-            tokens = torch.cat([tokens, _sample(p[:, k], generator)[:, None]], dim=1)  # the bonus token last
-        accepted_len = accepted.long().cumprod(dim=1).sum(dim=1)  # a_b: the row's longest accepted prefix
-        # column j of `tokens` is d_{j+1} for j < a_b, then the row's correction (or bonus): row b keeps a_b + 1
-        keep = accepted_len + 1
-        if lockstep:  # every row keeps as many as the row that accepted the fewest
-            keep = keep.amin().expand(live)
-        eos_hit = is_eos(tokens)
-        before_eos = eos_hit.long().cumsum(dim=1) - eos_hit.long() == 0  # columns up to the row's first EOS
-        row_count = count[rows]
-        emit = (columns < keep[:, None]) & (columns < (max_new_tokens - row_count)[:, None]) & before_eos
-        emitted = emit.sum(dim=1)
-        out[rows[:, None], row_count[:, None] + columns] = torch.where(emit, tokens, pad_token_id)  # pad past them
-        count.index_add_(0, rows, emitted)
-        going = ~(emit & eos_hit).any(dim=1) & (row_count + emitted < max_new_tokens)
-        prefix = accepted_len[:, None] > columns[:k]  # [B, K]
-        stats.append(torch.cat([accepted_len.new_full((1,), live * k), accepted_len.sum()[None], prefix.sum(dim=0),
-                                emitted.sum()[None]]))
-        # The one host sync of the round: each row's kept length and whether it goes on.
-        values = torch.cat([keep, going.long()]).tolist()
-        kept, goes = values[:live], values[live:]
-        still = sum(goes)
-        if still == 0:
-            break
-        longest = max(n for n, g in zip(kept, goes) if g)
-        # -- roll the target back over each row's rejected rows, feed the drafter each row's verified rows -------
-        # (a row that finished here is cropped like the row that kept the most: it is dropped below anyway)
-        mask = rollback_rows(cache, mask, [k + 1 - (n if g else longest) for n, g in zip(kept, goes)])
-        real = going[:, None] & (columns[:longest] < keep[:, None])
-        rows_ids = torch.where(real, tokens[:, :longest], pad_token_id)
-        rows_pos = torch.where(real, last_pos + columns[:longest], -1)
-        rows_hidden = hidden[:, :longest]
-        if live < batch:  # the drafter's cache rows are the batch's: the rows that dropped out get padding
-            rows_ids, rows_pos, rows_hidden = (_scatter_rows(t, rows, batch, fill) for t, fill in
-                                               ((rows_ids, pad_token_id), (rows_pos, -1), (rows_hidden, 0)))
-        result = drafter.draft(rows_ids, rows_pos, rows_hidden, temperature=draft_temperature, generator=generator,
-                               validate=False)
-        drafts, q = _proposals(result, device)
-        drafts, q = drafts[rows], None if q is None else q[rows]
-        last, last_pos = tokens.gather(1, (keep - 1)[:, None]), last_pos + keep[:, None]
-        if still < live:  # rows finished this round: they drop out of the target's batch (a host sync, rarely)
-            rows, last, last_pos, mask, drafts, q = _drop_finished(cache, going.nonzero().squeeze(1),
-                                                                   (rows, last, last_pos, mask, drafts, q))
-
-    return _output(input_ids, out[:, :int(count.max())], stats, k)
-
-
-def _drop_finished(cache, kept: torch.Tensor, state: tuple) -> tuple:
-    """Keep the rows ``kept`` of the target cache and of the per-row tensors in ``state`` (None stays None)."""
-    select_rows(cache, kept)
-    return tuple(None if t is None else t[kept] for t in state)
 
 
 def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, batch: int, fill) -> torch.Tensor:

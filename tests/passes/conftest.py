@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 
-from inkling_compiled.passes import manager
+from inkling_compiled.passes import fusion
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
@@ -25,7 +25,7 @@ def empty_slot():
 def tests_count_as_model(monkeypatch):
     """The passes also rewrite ops written under tests/, as if the model had written them: for the tests of a fusion's
     own conditions (eps, dtypes, shapes, spellings) on graphs that the model's functions cannot produce."""
-    monkeypatch.setattr(manager, "MODEL_SOURCE_DIRS", (*manager.MODEL_SOURCE_DIRS, TESTS_DIR))
+    monkeypatch.setattr(fusion, "MODEL_SOURCE_DIRS", (*fusion.MODEL_SOURCE_DIRS, TESTS_DIR))
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

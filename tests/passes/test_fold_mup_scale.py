@@ -8,7 +8,7 @@ from torch._inductor import config as inductor_config
 
 from inkling_compiled.model.head import mup_logits
 from inkling_compiled.passes import fold_mup_scale
-from inkling_compiled.passes.manager import trace
+from inkling_compiled.passes.fusion import trace
 from inkling_compiled.testing.kernel_stats import compile_fresh
 
 H, V, VOCAB, MUP = 64, 96, 90, 24.0  # V rows in the table, VOCAB kept (padded vocab, as on Inkling)

@@ -18,7 +18,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import inkling_compiled.passes as passes
 from inkling_compiled.model.head import mup_logits
 from inkling_compiled.passes import fold_mup_scale, fuse_draft_input, manager
-from inkling_compiled.passes.manager import ChainedPass, Fusion, PassManager
+from inkling_compiled.passes.fusion import Fusion
+from inkling_compiled.passes.manager import ChainedPass, PassManager
 from inkling_compiled.testing.kernel_stats import compile_fresh
 
 REPO = Path(__file__).resolve().parents[2]

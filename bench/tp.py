@@ -1,0 +1,218 @@
+"""The ``tp`` section: the tensor-parallel draft head (docs/model.md §11) on CPU gloo ranks, and the communication
+of the schemes it replaces at full size.
+
+Measured, per world size T (1 = the unsharded model; each rank one process with one intra-op thread, gloo over
+loopback): the parameter bytes one rank holds (the replicated embedding aside), the bytes handed to collectives in
+one greedy and one sampled decode round (counted at the dispatcher, the payload of each ``_c10d_functional`` call;
+a ring all-reduce moves 2 (T - 1) / T of it per rank) and the round's latency (``Drafter.draft`` of one new row,
+eager, median of ``rounds``). Computed, for the full Inkling config at T = 8 and batch 1: our greedy round (two
+[B, R, H] all-reduces per depth, R rows in the window, and the head's [T, B, 2] fp32 pairs) beside transformers'
+scheme (its LM head split along the hidden dim: a [B, V] all-reduce per depth) and SGLang's (a [B, V] all-gather of
+the full-vocab logits per depth), and the per-rank parameter bytes at T = 2, 4, 8.
+
+The ``tp`` section of ``python -m bench`` (CPU only; ``--quick`` runs fewer rounds), or on its own:
+
+    python -m bench.tp [--preset small] [--world-sizes 1,2] [--rounds 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from inkling_compiled import InklingMTP, MTPConfig
+from inkling_compiled.config import parse_config_dict
+from inkling_compiled.model.tensor_parallel import TensorParallel
+from inkling_compiled.runtime import Drafter
+from inkling_compiled.testing.distributed import run_ranks
+from inkling_compiled.testing.synthetic import cached_checkpoint, preset_config
+
+FULL_WORLD = 8
+PRESET, ROUNDS, QUICK_ROUNDS = "small", 20, 5
+COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"}
+BF16 = 2  # bytes
+
+
+@dataclass
+class RankRun:
+    world_size: int
+    parameter_bytes: int  # one rank's, the embedding aside
+    unsharded_bytes: int  # the unsharded model's, the embedding aside
+    greedy_round_bytes: int  # handed to collectives in one greedy decode round
+    greedy_collectives: int
+    sampled_round_bytes: int
+    sampled_collectives: int
+    round_ms: float  # greedy, median
+    sampled_round_ms: float
+    same_drafts: bool  # every rank drafted what the unsharded model drafts
+
+
+@dataclass
+class FullSize:
+    """Computed for the full config (bf16, batch 1) from the shapes alone."""
+
+    world_size: int
+    depths: int
+    window_rows: int  # rows each depth runs over in a K-depth decode round (K after a rejection)
+    ours_greedy_bytes: int  # per round: 2 all-reduces of [B, R, H] per depth + [T, B, 2] fp32 per depth
+    ours_head_bytes: int  # per depth: the [T, B, 2] fp32 (value, id) pairs
+    ours_sampled_extra_bytes: int  # per depth: the gathered [B, V] logits the acceptance test reads
+    transformers_bytes: int  # per round: a [B, V] all-reduce per depth
+    sglang_bytes: int  # per round: a [B, V] all-gather per depth
+    head_ratio: float  # [B, V] gather / our [T, B, 2]: the goal is >= 1000
+    parameter_bytes: dict  # "T" -> one rank's parameter bytes (embedding aside)
+    unsharded_bytes: int
+
+
+@dataclass
+class TPResult:
+    preset: str
+    batch: int
+    num_speculative_tokens: int
+    runs: list[RankRun]
+    full: FullSize
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the collectives run under it and the bytes of the tensors handed to them."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func.name().split("::")[-1] in COLLECTIVES:
+            self.bytes += args[0].numel() * args[0].element_size()
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def parameter_bytes(model: InklingMTP) -> int:
+    """What one rank holds, the replicated embedding table aside."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_weight")
+
+
+def _rounds(drafter: Drafter, config, batch: int, rounds: int, temperature: float):
+    """A prefill of 8 rows, then ``rounds`` decode rounds of one new row: (drafts, per-round seconds, bytes and
+    collectives of the last round)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.logits_vocab_size, (batch, 8 + rounds), generator=gen)
+    hidden = torch.randn(batch, 8 + rounds, config.hidden_size, generator=gen)
+    positions = torch.arange(8 + rounds).expand(batch, -1)
+    sampling = dict(temperature=temperature, generator=torch.Generator().manual_seed(1)) if temperature else {}
+    drafts, seconds, counter = [], [], CollectiveBytes()
+    with torch.no_grad():
+        drafts.append(drafter.draft(ids[:, :8], positions[:, :8], hidden[:, :8], **sampling).drafts)
+        for t in range(8, 8 + rounds):
+            window = slice(t, t + 1)
+            start = time.perf_counter()
+            if t == 8 + rounds - 1:
+                with counter:
+                    result = drafter.draft(ids[:, window], positions[:, window], hidden[:, window], **sampling)
+            else:
+                result = drafter.draft(ids[:, window], positions[:, window], hidden[:, window], **sampling)
+            seconds.append(time.perf_counter() - start)
+            drafts.append(result.drafts)
+    return torch.cat(drafts, 1), statistics.median(seconds), counter
+
+
+def _measure_rank(mesh, path, batch: int, rounds: int, sharded: bool) -> dict:
+    model = InklingMTP.from_pretrained(path, device_mesh=mesh if sharded else None)
+    reference = InklingMTP.from_pretrained(path) if sharded else model
+    out = {"parameter_bytes": parameter_bytes(model), "unsharded_bytes": parameter_bytes(reference)}
+    for temperature, name in ((0.0, "greedy"), (0.8, "sampled")):
+        drafts, seconds, counter = _rounds(Drafter(model, batch, 64, compile=False), model.config, batch, rounds,
+                                           temperature)
+        out[name] = (drafts, seconds, counter.bytes, counter.calls)
+    if sharded:
+        out["reference"] = _rounds(Drafter(reference, batch, 64, compile=False), reference.config, batch, rounds,
+                                   0.0)[0]
+    return out
+
+
+def measure_runs(path, world_sizes, batch: int, rounds: int) -> list[RankRun]:
+    runs = []
+    for world in world_sizes:
+        ranks = run_ranks(_measure_rank, world, path, batch, rounds, world > 1, timeout=600)
+        first = ranks[0]
+        same = all(torch.equal(r["greedy"][0], first.get("reference", first["greedy"][0])) for r in ranks)
+        runs.append(RankRun(world, first["parameter_bytes"], first["unsharded_bytes"], first["greedy"][2],
+                            first["greedy"][3], first["sampled"][2], first["sampled"][3],
+                            max(r["greedy"][1] for r in ranks) * 1e3, max(r["sampled"][1] for r in ranks) * 1e3,
+                            same))
+    return runs
+
+
+def full_size(world: int = FULL_WORLD, batch: int = 1) -> FullSize:
+    """The communication and per-rank bytes of the full config, from the shapes (meta tensors, bf16)."""
+    raw = preset_config("full")
+    config = MTPConfig.from_hf(parse_config_dict(raw, "the full preset"), raw=raw)
+    h, v, k = config.hidden_size, config.vocab_size, config.num_depths
+    rows = k  # a K-depth decode round after a rejection runs every depth over K rows
+    head = world * batch * 2 * 4
+    per_rank = {}
+    with torch.device("meta"):
+        unsharded = parameter_bytes(InklingMTP(config).to(torch.bfloat16))
+        for t in (2, 4, 8):
+            per_rank[str(t)] = parameter_bytes(InklingMTP(config, TensorParallel("", 0, t)).to(torch.bfloat16))
+    return FullSize(world, k, rows, k * (2 * batch * rows * h * BF16 + head), head, batch * v * BF16,
+                    k * batch * v * BF16, k * batch * v * BF16, batch * v * BF16 / head, per_rank, unsharded)
+
+
+def measure_tp(preset: str = PRESET, world_sizes=(1, 2), batch: int = 1, rounds: int = ROUNDS) -> TPResult:
+    path = cached_checkpoint(preset)
+    runs = measure_runs(path, world_sizes, batch, rounds)
+    return TPResult(preset, batch, InklingMTP.from_pretrained(path).config.num_depths, runs, full_size())
+
+
+def measure(ctx) -> TPResult:
+    """The section: the small preset at T = 1, 2."""
+    return measure_tp(rounds=QUICK_ROUNDS if ctx.settings.quick else ROUNDS)
+
+
+def lines(record: dict) -> list[str]:
+    out = [f"tp: {record['preset']} preset, batch {record['batch']}, K = {record['num_speculative_tokens']} "
+           "(CPU gloo, eager drafter, one thread per rank)"]
+    for r in record["runs"]:
+        share = r["parameter_bytes"] / (r["unsharded_bytes"] / r["world_size"])
+        out.append(f"  T={r['world_size']}: {r['parameter_bytes'] / 2**20:8.1f} MiB/rank ({share:.3f} x 1/T of "
+                   f"{r['unsharded_bytes'] / 2**20:.1f}), greedy round {r['round_ms']:.2f} ms / "
+                   f"{r['greedy_round_bytes']} B in {r['greedy_collectives']} collectives, sampled "
+                   f"{r['sampled_round_ms']:.2f} ms / {r['sampled_round_bytes']} B, drafts == unsharded: "
+                   f"{r['same_drafts']}")
+    f = record["full"]
+    out.append(f"  full config, T={f['world_size']}, B=1, bf16, K={f['depths']} (window {f['window_rows']} rows):")
+    out.append(f"    ours greedy {f['ours_greedy_bytes']:>12,} B/round (head {f['ours_head_bytes']} B/depth); "
+               f"sampled adds {f['ours_sampled_extra_bytes']:,} B/depth")
+    out.append(f"    transformers {f['transformers_bytes']:>12,} B/round ([B, V] all-reduce per depth); SGLang "
+               f"{f['sglang_bytes']:,} B/round ([B, V] all-gather per depth); head share {f['head_ratio']:.0f}x less")
+    shares = ", ".join(f"T={t}: {b / (f['unsharded_bytes'] / int(t)):.3f}" for t, b in f["parameter_bytes"].items())
+    out.append(f"    per-rank parameter bytes / (unsharded / T), embedding aside: {shares}")
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.tp", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default=PRESET)
+    parser.add_argument("--world-sizes", default="1,2")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    result = measure_tp(args.preset, tuple(int(w) for w in args.world_sizes.split(",")), args.batch, args.rounds)
+    record = json.loads(json.dumps(dataclasses.asdict(result)))
+    print("\n".join(lines(record)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

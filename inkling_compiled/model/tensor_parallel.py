@@ -1,0 +1,187 @@
+"""Tensor parallelism for the draft head over a 1-D ``DeviceMesh`` (docs/model.md §11).
+
+Everything parallel lives here, so that the modules keep reading like the math: the sharding plan (which rows or
+columns of which tensor a rank holds), the row-parallel linear (the only place a depth communicates) and the
+vocab-parallel head (rank-local argmax + a tiny (value, id) gather). Every rank holds plain local tensors, and the
+collectives are ``torch.distributed._functional_collectives``: they trace into a ``torch.compile(fullgraph=True)``
+graph and export through AOTInductor, which DTensor-parallelised modules do not. Only ``all_reduce`` is used: a gather
+is an all-reduce of rank-slotted zeros, because Inductor's C++ wrapper (the drafter's CPU default, and every
+AOTInductor package) cannot call ``all_gather_into_tensor`` in torch 2.13 ("arg type Any is not yet supported by
+custom_op_wrapper"); the payload is the gathered size, and adding zeros is exact.
+
+Per depth, by whole heads (GQA groups stay on one rank): q / k / v / r projections column-parallel, the K / V short
+convs and the KV cache going with the rank's heads (the q / k norms share one gain per head: replicated); the output
+projection row-parallel (one all-reduce).
+The MLP's fused [gate; up] GEMM is column-parallel per half, its down projection row-parallel (one all-reduce).
+Norms, ``input_proj``, the branch convs, the relative-bias table, the chain norm and the embedding are replicated
+(so the draft-input fusion keeps its one kernel); the LM head is split by vocabulary rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint.layout import Shard
+from ..config import MTPConfig
+
+# Per-depth parameter suffix -> (dim split by the plan, blocks along that dim each split on its own). Every other
+# parameter of a depth is replicated.
+_COLUMN = {f"transformer_block.attn.{n}.weight": (0, 1) for n in ("wq_du", "wk_dv", "wv_dv", "wr_du",
+                                                                  "k_sconv", "v_sconv")}
+_SPLIT = {**_COLUMN,
+          "transformer_block.mlp.w13_dn.weight": (0, 2),  # [gate; up]: each half split, never the fused rows
+          "transformer_block.attn.wo_ud.weight": (1, 1),
+          "transformer_block.mlp.w2_md.weight": (1, 1)}
+_ROW_PARALLEL = ("attn.wo_ud", "mlp.w2_md")  # under each depth's transformer_block
+
+# The plan overrides for a transformers InklingForConditionalGeneration target run tensor-parallel
+# (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=T, tp_plan=TARGET_TP_PLAN))``, docs/model.md
+# §11.3): its LM head split by vocab rows (each rank's logits gathered, so the target still returns full logits),
+# whose local block the draft head then uses with no copy; and the embedding replicated, because the default
+# vocab-sharded one crashes on the first forward (DTensor's _MaskPartial under the normed embedding). For an
+# InklingForCausalLM the embedding's key is "model.embed_tokens".
+TARGET_TP_PLAN = {"model.language_model.embed_tokens": "replicate", "lm_head": "colwise_rep"}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in the tensor-parallel group: what it holds and how it talks to the others.
+
+    Holds the group's *name*, not the ProcessGroup, so a model stays picklable and the compiled graph refers to the
+    group the way the functional collectives do.
+    """
+
+    group_name: str
+    rank: int
+    world_size: int
+
+    @classmethod
+    def from_mesh(cls, mesh) -> TensorParallel:
+        """The tensor-parallel view of a 1-D ``DeviceMesh``; ValueError for anything else."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(f"device_mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+        if mesh.ndim != 1:
+            raise ValueError(f"device_mesh must be 1-D (the tensor-parallel ranks), got shape {tuple(mesh.shape)}")
+        if mesh.get_coordinate() is None:
+            raise ValueError(f"this process (rank {torch.distributed.get_rank()}) is not in device_mesh "
+                             f"{mesh.mesh.tolist()}")
+        return cls(mesh.get_group().group_name, mesh.get_local_rank(), mesh.size())
+
+    # -- the plan ------------------------------------------------------------------------------------------------
+
+    def check(self, config: MTPConfig) -> None:
+        """ValueError naming every size the group cannot split into whole heads, MLP channels or vocab rows."""
+        t = self.world_size
+        sizes = {"vocab_size": config.vocab_size, "intermediate_size": config.intermediate_size}
+        for i, g in enumerate(config.depths):
+            sizes[f"depth {i} heads"], sizes[f"depth {i} kv heads"] = g.num_heads, g.num_kv_heads
+        bad = [f"{name} {n}" for name, n in sizes.items() if n % t]
+        if bad:
+            raise ValueError(f"tensor parallelism over {t} ranks splits whole heads, MLP channels and vocab rows, but "
+                             f"these are not multiples of {t}: {', '.join(bad)}")
+        if self.vocab_rows(config)[0] >= config.logits_vocab_size:
+            raise ValueError(f"rank {self.rank} of {t} would hold only padded vocab rows (logits_vocab_size "
+                             f"{config.logits_vocab_size} of {config.vocab_size}): use fewer ranks")
+
+    def local_config(self, config: MTPConfig) -> MTPConfig:
+        """The config of what this rank computes: its share of every depth's heads and MLP channels (the hidden
+        size, vocabulary and everything else unchanged). The modules and the cache are built from it."""
+        self.check(config)
+        t = self.world_size
+        depths = tuple(replace(g, num_heads=g.num_heads // t, num_kv_heads=g.num_kv_heads // t)
+                       for g in config.depths)
+        return replace(config, depths=depths, intermediate_size=config.intermediate_size // t)
+
+    def vocab_rows(self, config: MTPConfig) -> tuple[int, int]:
+        """The [start, stop) ids of the LM-head rows this rank holds."""
+        rows = config.vocab_size // self.world_size
+        return self.rank * rows, (self.rank + 1) * rows
+
+    def shards(self, config: MTPConfig) -> dict[str, Shard]:
+        """Parameter name -> the part of the full tensor this rank holds; names not listed are replicated."""
+        plan = {f"layers.{i}.{suffix}": Shard(dim, self.rank, self.world_size, blocks)
+                for i in range(config.num_depths) for suffix, (dim, blocks) in _SPLIT.items()}
+        plan["lm_head_weight"] = Shard(0, self.rank, self.world_size)
+        return plan
+
+    def parallelize(self, layers: nn.ModuleList) -> None:
+        """Replace each depth's output and down projections (built with the local sizes) by row-parallel ones."""
+        for layer in layers:
+            block = layer.transformer_block
+            for path in _ROW_PARALLEL:
+                parent, name = path.split(".")
+                owner = getattr(block, parent)
+                linear = getattr(owner, name)
+                setattr(owner, name, RowParallelLinear(linear.in_features, linear.out_features, self,
+                                                       device=linear.weight.device, dtype=linear.weight.dtype))
+
+    def head_rows(self, head: torch.Tensor, config: MTPConfig) -> torch.Tensor:
+        """This rank's vocab rows of the target's LM head, with no copy: a view of a replicated head, or the local
+        block of a DTensor head split by rows over the same ranks (a transformers target loaded with
+        :data:`TARGET_TP_PLAN`). ValueError for a head split any other way (transformers' default plan splits it
+        along the hidden dim)."""
+        shard = self.shards(config)["lm_head_weight"]
+        placements = getattr(head, "placements", None)
+        if placements is None:
+            return shard.take(head.detach())
+        from torch.distributed.tensor import Shard as RowSplit
+
+        mesh = head.device_mesh
+        if (tuple(placements) != (RowSplit(0),) or mesh.size() != self.world_size
+                or mesh.get_local_rank() != self.rank):
+            raise ValueError(f"the target's LM head is a DTensor placed {tuple(placements)} over {mesh.size()} ranks; "
+                             f"the draft head shares it only split by vocab rows (Shard(0)) over its own "
+                             f"{self.world_size} ranks: load the target with DistributedConfig(tp_size="
+                             f"{self.world_size}, tp_plan=TARGET_TP_PLAN) (inkling_compiled.model.tensor_parallel)")
+        return head.detach().to_local()
+
+    # -- communication ---------------------------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x``."""
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.group_name))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[world, *x.shape]: every rank's ``x``, in rank order (each rank fills its own slot, the others add 0)."""
+        before, after = x.new_zeros(self.rank, *x.shape), x.new_zeros(self.world_size - 1 - self.rank, *x.shape)
+        return self.all_reduce(torch.cat([before, x.unsqueeze(0), after]))
+
+    def top_tokens(self, local_logits: torch.Tensor, start: int) -> torch.Tensor:
+        """Greedy ids [...] from each rank's logits over its kept vocab rows [..., n] (ids ``start``...).
+
+        Each rank sends (its best value, that value's id) as fp32 [..., 2] (ids < 2^24 are exact), the best rank
+        wins; a tie goes to the lowest rank, which holds the lower ids, and within a rank ``argmax`` already picks
+        the lowest: the one-process argmax exactly (the values are the logits themselves, in their own dtype, cast
+        to fp32 without rounding).
+        """
+        value, index = local_logits.max(dim=-1)
+        pairs = self.all_gather(torch.stack([value.float(), (index + start).float()], dim=-1))  # [world, ..., 2]
+        best = pairs[..., 0].argmax(dim=0, keepdim=True)
+        return pairs[..., 1].gather(0, best).squeeze(0).long()
+
+    def gather_logits(self, local_logits: torch.Tensor, vocab: int) -> torch.Tensor:
+        """The full logits [..., vocab] from every rank's block of vocab rows [..., V / world] (the sampled draft's
+        distribution, which the acceptance test and the residual read over the whole vocabulary)."""
+        gathered = self.all_gather(local_logits)  # [world, ..., V / world]
+        return gathered.movedim(0, -2).flatten(-2)[..., :vocab]
+
+
+class RowParallelLinear(nn.Linear):
+    """``y = sum over ranks of x_r @ W_r^T``: this rank's input columns of a linear, then one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, parallel: TensorParallel, *, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_reduce(F.linear(x, self.weight))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, all-reduce over {self.parallel.world_size} ranks"

@@ -1,0 +1,130 @@
+"""K-depth rounds on CPU packaged on first use and cached on disk (docs/compile.md §12.1).
+
+A compiled K-depth round on CPU is K + 1 compiled calls, each paying Dynamo's guards and Python around microseconds
+of kernels; the packaged round (``runtime/packaged.py``) runs the same steps with none of that. So a CPU drafter
+with K > 1 packages a bucket's round the first time it runs it, into a directory under :func:`cache_root` named by a
+hash of everything the code depends on (:func:`entry_name`), and every later drafter, in this process or another,
+loads it from there: no export, no compile, no Dynamo.
+
+An entry is an ordinary package of one bucket (``Drafter.load_compiled`` reads it too). Before one is used, its
+manifest is compared with what this drafter needs (``packaged.mismatch``: config, dtype, quantization, K, device,
+torch, pass version) and its layout with the drafter's; an entry that differs in any of them, or that cannot be
+read, is refused, removed and built again. A build that fails (no C++ compiler, a read-only cache) warns and the
+bucket runs the compiled round instead.
+
+``INKLING_COMPILED_ROUNDS`` names the cache directory (default ``~/.cache/inkling_compiled/rounds``); ``off`` turns
+the cache off, so every drafter compiles its rounds as on CUDA (where a round is already one CUDA graph and nothing
+here applies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import packaged
+
+ENV_VAR = "INKLING_COMPILED_ROUNDS"
+_OFF = ("0", "false", "off", "no")
+
+
+def cache_root() -> Path | None:
+    """Where entries live; None when ``INKLING_COMPILED_ROUNDS`` turns the cache off."""
+    value = os.environ.get(ENV_VAR, "").strip()
+    if value.lower() in _OFF:
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "inkling_compiled" / "rounds"
+
+
+def entry_layout(drafter, key: tuple[int, int, bool]) -> dict:
+    """The layout a drafter's entry for bucket ``key`` records (and an entry must have to serve it)."""
+    return {"max_batch_size": drafter.max_batch_size, "max_length": drafter.max_length,
+            "buckets": [list(key)], "depth_steps": packaged.geometry_depths(drafter)}
+
+
+def entry_name(drafter, key: tuple[int, int, bool]) -> str:
+    """The entry's directory name: the bucket, readable, and a hash of what its code depends on (the package's
+    ``built_for``, the layout, the Inductor options and the thread count its CPU kernels keep)."""
+    here = packaged.built_for(drafter.model, drafter._inductor_options, drafter.num_speculative_tokens)
+    options = {k: v for k, v in drafter._inductor_options.items() if k != "post_grad_custom_post_pass"}
+    record = {"built_for": {k: here[k] for k in packaged.BUILT_FOR}, "layout": entry_layout(drafter, key),
+              "options": options, "threads": torch.get_num_threads()}
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True, default=repr).encode()).hexdigest()[:20]
+    batch, rows, sampled = key
+    return f"k{drafter.num_speculative_tokens}-b{batch}-r{rows}-{'sampled' if sampled else 'greedy'}-{digest}"
+
+
+def refusal(drafter, key: tuple[int, int, bool], directory: Path) -> str | None:
+    """Why the entry in ``directory`` cannot serve bucket ``key`` of ``drafter`` (None: it can)."""
+    try:
+        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
+    except packaged.PackageError as e:
+        return str(e)
+    here = packaged.built_for(drafter.model, drafter._inductor_options, drafter.num_speculative_tokens)
+    problem = packaged.mismatch(directory, manifest, here)
+    if problem is not None:
+        return str(problem)
+    layout = manifest["layout"]
+    wanted = entry_layout(drafter, key)
+    differ = [name for name in wanted if json.loads(json.dumps(layout.get(name))) != wanted[name]]
+    if differ:
+        return f"{directory}: layout {differ} differs from this drafter's"
+    if manifest.get("threads") != torch.get_num_threads():
+        return f"{directory}: built for {manifest.get('threads')} threads, {torch.get_num_threads()} here"
+    return None
+
+
+def cached_round(drafter, shape):
+    """The packaged round of ``shape``'s bucket (``_BucketBuffers``) from the cache, built first if it is missing,
+    refused or damaged; None when the cache is off or the build failed (warned), and the bucket runs the compiled
+    round."""
+    root = cache_root()
+    if root is None:
+        return None
+    directory = root / entry_name(drafter, shape.key)
+    try:
+        found = _usable(drafter, shape, directory) if directory.exists() else None
+        if found is None:
+            if directory.exists():
+                _remove(directory)
+            try:
+                packaged.save_rounds(drafter, directory, [shape])
+            except packaged.PackageError:
+                if not directory.exists():
+                    raise
+                # else another process built the entry since, and its copy is checked and used
+            found = _usable(drafter, shape, directory)
+            if found is None:
+                raise packaged.PackageError(refusal(drafter, shape.key, directory) or f"{directory} cannot be loaded")
+        return found
+    except (OSError, RuntimeError, ValueError) as e:  # PackageError is a ValueError
+        warnings.warn(f"could not build or load the packaged round of bucket {shape.key} in {directory} "
+                      f"({type(e).__name__}: {e}); running the compiled round instead", RuntimeWarning, stacklevel=4)
+        return None
+
+
+def _usable(drafter, shape, directory: Path):
+    """The entry's round, or None when it is refused or cannot be loaded (a corrupt or missing step file)."""
+    if refusal(drafter, shape.key, directory) is not None:
+        return None
+    try:
+        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
+        return packaged.load_rounds(drafter, directory, manifest)[shape.key]
+    except packaged.PackageError:
+        return None
+
+
+def _remove(directory: Path) -> None:
+    """Out of the way first (a rename is atomic), then deleted: a reader never sees half an entry."""
+    doomed = directory.with_name(f".stale-{directory.name}-{uuid.uuid4().hex[:8]}")
+    with contextlib.suppress(FileNotFoundError):  # another process moved it first
+        os.rename(directory, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -1,0 +1,200 @@
+"""The packaged round cached on disk (runtime/round_cache.py, docs/compile.md §12.1): a K > 1 CPU drafter builds it on
+its first call of a bucket; a second process reuses it with no compile and without importing Dynamo, Inductor or
+transformers (so does ``Drafter.load_compiled`` of the entry); an entry that differs in any recorded field is
+refused and rebuilt; and it drafts as the compiled round does over 64 rounds with every accepted count.
+
+One entry is built per module and shared: K = 3 over three sliding depths of a checkpoint directory, one bucket of
+four rows that every window of a round falls in (``graph_rows=(4,)``): the prologue and one depth step, two
+AOTInductor compiles. The rebuild test swaps the build for a copy of that entry, so it compiles nothing."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inkling_compiled import InklingMTP
+from inkling_compiled.runtime import Drafter, packaged, round_cache
+from inkling_compiled.testing.synthetic import cached_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+K, MAX_LENGTH, ROUNDS = 3, 160, 64
+GRAPH_ROWS = (K + 1,)
+KEY = (1, K + 1, False)
+HEAVY = ("torch._dynamo", "torch._inductor", "transformers")
+
+
+def checkpoint() -> Path:
+    return cached_checkpoint("tiny", num_mtp_layers=K, local_layer_ids=tuple(range(K)))
+
+
+def peaked_model() -> InklingMTP:
+    """The checkpoint's MTP with a peaked head: drafts are no near-ties, so a wrong input changes them."""
+    model = InklingMTP.from_pretrained(checkpoint())
+    model.lm_head_weight.mul_(30.0)
+    return model
+
+
+def decode(drafter: Drafter, rounds: int = ROUNDS) -> list[list[int]]:
+    """The drafts of ``rounds`` rounds from position 0, a + 1 new rows after a round that accepted a drafts, a = 0..K
+    in turn, over one seeded stream of committed rows."""
+    rows_per_round = [1 + i % (K + 1) for i in range(ROUNDS)]
+    length = sum(rows_per_round)  # one stream whatever ``rounds``: the first rounds of any run see the same rows
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, drafter.model.config.logits_vocab_size, (1, length), generator=gen)
+    hidden = torch.randn(1, length, drafter.model.config.hidden_size, generator=gen)
+    positions = torch.arange(length)[None]
+    drafts, start = [], 0
+    with torch.no_grad():
+        for rows in rows_per_round[:rounds]:
+            part = slice(start, start + rows)
+            drafts.append(drafter.draft(ids[:, part], positions[:, part], hidden[:, part]).drafts[0].tolist())
+            start += rows
+    return drafts
+
+
+def cached_drafter(model: InklingMTP) -> Drafter:
+    return Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=K, graph_rows=GRAPH_ROWS)
+
+
+@pytest.fixture(scope="module")
+def rounds_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("rounds")
+
+
+@pytest.fixture(autouse=True)
+def cache_in(rounds_dir, monkeypatch):
+    monkeypatch.setenv(round_cache.ENV_VAR, str(rounds_dir))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return peaked_model()
+
+
+@pytest.fixture(scope="module")
+def built(model, rounds_dir):
+    """(the drafter that built the entry, its drafts, the entry's directory)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(round_cache.ENV_VAR, str(rounds_dir))
+        drafter = cached_drafter(model)
+        drafts = decode(drafter)
+    entries = [p for p in rounds_dir.iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1 and drafter.packaged_buckets == (KEY,)
+    return drafter, drafts, entries[0]
+
+
+def test_the_cached_round_drafts_as_the_compiled_round_over_64_rounds_and_every_accepted_count(model, built):
+    drafter, drafts, entry = built
+    assert entry.name == round_cache.entry_name(drafter, KEY)
+    compiled = Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=K, graph_rows=GRAPH_ROWS, cached_rounds=False)
+    assert decode(compiled) == drafts
+    assert compiled.packaged_buckets == ()
+    for theirs, ours in zip(compiled.cache.depths, drafter.cache.depths, strict=True):
+        for a, b in zip(theirs.tensors(), ours.tensors()):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0, equal_nan=True)
+
+
+_SECOND_PROCESS = """
+import json, sys, torch
+from tests.runtime.test_cached_round import HEAVY, cached_drafter, decode, peaked_model
+from inkling_compiled.runtime import Drafter
+torch.set_num_threads(int(sys.argv[2]))  # the entry's CPU kernels keep the count they were built with: part of its key
+model = peaked_model()
+drafter = cached_drafter(model)
+cached = decode(drafter, 8)
+loaded = Drafter.load_compiled(sys.argv[1], peaked_model())
+print(json.dumps({"cached": cached, "loaded": decode(loaded, 8), "buckets": [drafter.packaged_buckets,
+                  loaded.packaged_buckets], "heavy": [m for m in HEAVY if m in sys.modules]}))
+"""
+
+
+def test_a_second_process_reuses_the_entry_with_no_compile_and_no_compiler_or_transformers_imported(built,
+                                                                                                    rounds_dir):
+    _, drafts, entry = built
+    manifest = (entry / packaged.MANIFEST).stat().st_mtime_ns
+    env = {**os.environ, round_cache.ENV_VAR: str(rounds_dir), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-c", _SECOND_PROCESS, str(entry), str(torch.get_num_threads())]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["heavy"] == []  # no Dynamo, no Inductor: nothing was compiled, and no transformers either
+    assert found["buckets"] == [[list(KEY)], [list(KEY)]]
+    assert found["cached"] == found["loaded"] == drafts[:8]
+    assert (entry / packaged.MANIFEST).stat().st_mtime_ns == manifest  # read, not rebuilt
+    assert [p.name for p in rounds_dir.iterdir() if not p.name.startswith(".")] == [entry.name]
+
+
+def _edit(entry: Path, edit) -> None:
+    manifest = json.loads((entry / packaged.MANIFEST).read_text())
+    edit(manifest)
+    (entry / packaged.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("field", packaged.BUILT_FOR)
+def test_an_entry_recorded_for_anything_else_is_refused_naming_it(built, tmp_path, field):
+    drafter, _, entry = built
+    copy = shutil.copytree(entry, tmp_path / entry.name)
+    assert round_cache.refusal(drafter, KEY, copy) is None
+
+    def edit(manifest):
+        manifest["built_for"][field] = "something else"
+
+    _edit(copy, edit)
+    assert field in round_cache.refusal(drafter, KEY, copy)
+
+
+DAMAGES = {
+    "torch": lambda entry: _edit(entry, lambda m: m["built_for"].update(torch="0.0")),
+    "layout": lambda entry: _edit(entry, lambda m: m["layout"].update(max_length=MAX_LENGTH + 1)),
+    "threads": lambda entry: _edit(entry, lambda m: m.update(threads=m["threads"] + 1)),
+    "step file": lambda entry: next(entry.glob("*.pt2")).write_bytes(b"not a package"),
+    "manifest": lambda entry: (entry / packaged.MANIFEST).write_text("{"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_refused_or_damaged_entry_is_removed_and_rebuilt(model, built, tmp_path, monkeypatch, damage):
+    _, drafts, entry = built
+    monkeypatch.setenv(round_cache.ENV_VAR, str(tmp_path))
+    DAMAGES[damage](shutil.copytree(entry, tmp_path / entry.name))
+    builds = []
+
+    def rebuild(drafter, directory, buckets):  # the build, without its two AOTInductor compiles
+        builds.append([b.key for b in buckets])
+        return shutil.copytree(entry, directory)
+
+    monkeypatch.setattr(packaged, "save_rounds", rebuild)
+    drafter = cached_drafter(model)
+    assert decode(drafter, 8) == drafts[:8]
+    assert builds == [[KEY]] and drafter.packaged_buckets == (KEY,)
+    assert round_cache.refusal(drafter, KEY, tmp_path / entry.name) is None  # the new entry in the stale one's place
+    assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # nothing else left behind
+
+
+def test_a_failed_build_warns_and_runs_the_compiled_round(model, built, tmp_path, monkeypatch):
+    _, drafts, _ = built
+    monkeypatch.setenv(round_cache.ENV_VAR, str(tmp_path))
+
+    def broken(drafter, directory, buckets):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(packaged, "save_rounds", broken)
+    drafter = cached_drafter(model)
+    with pytest.warns(RuntimeWarning, match=r"no space left on device.*running the compiled round instead"):
+        assert decode(drafter, 8) == drafts[:8]
+    assert drafter.packaged_buckets == ()
+
+
+def test_the_cache_is_off_by_default_for_k_1_and_by_the_switch(model, monkeypatch):
+    assert not Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=1).cached_rounds
+    assert Drafter(model, 1, MAX_LENGTH).cached_rounds
+    assert not Drafter(model, 1, MAX_LENGTH, compile=False).cached_rounds
+    monkeypatch.setenv(round_cache.ENV_VAR, "off")
+    assert round_cache.cache_root() is None
+    with pytest.raises(ValueError, match=r"cached_rounds must be a bool or None, got 'yes'"):
+        Drafter(model, 1, MAX_LENGTH, cached_rounds="yes")
