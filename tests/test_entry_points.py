@@ -390,3 +390,11 @@ def test_the_head_names_a_bad_hidden(method, hidden, message):
     """The head's public methods check their hidden as forward does: not a matmul error or an integer hidden taken."""
     with pytest.raises(ValueError, match=message):
         getattr(random_mtp(), method)(hidden)
+
+
+def test_a_float64_target_is_refused_naming_its_dtype(tiny_checkpoint):
+    """A float64 target used to fail inside a matmul of the first round (the drafter runs fp32 / bf16 / fp16)."""
+    target = load_hf_target(tiny_checkpoint, dtype=torch.float64).requires_grad_(False)
+    drafter = Drafter(InklingMTP.from_pretrained(tiny_checkpoint), 2, 32, compile=False)
+    with pytest.raises(ValueError, match="the target runs in torch.float64"):
+        speculative_generate(target, drafter, *prompts(), max_new_tokens=2)

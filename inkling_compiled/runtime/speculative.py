@@ -162,7 +162,10 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
         raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
-    target_device = next(target.parameters()).device
+    target_device, target_dtype = next(target.parameters()).device, next(target.parameters()).dtype
+    if target_dtype not in (torch.float32, torch.bfloat16, torch.float16):  # the drafter gets its hiddens cast
+        raise ValueError(f"the target runs in {target_dtype}; speculative decoding takes a float32, bfloat16 or "
+                         f"float16 target")
     if input_ids.device != target_device:
         raise ValueError(f"input_ids are on {input_ids.device}, the target on {target_device}")
     draft_model = getattr(drafter, "model", None)
