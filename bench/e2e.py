@@ -1,10 +1,15 @@
-"""End to end on a self-distilled target, greedy, batch 1: tokens/s and acceptance of our speculative generation at
-K = 1 and the largest K asked for, against the target alone and transformers' ``generate(use_mtp=True)``: the
-``e2e`` section. The methods take turns prompt by prompt, after one untimed warm-up each (the drafters' compiles)."""
+"""End to end on a self-distilled target, greedy (the ``e2e`` section): at batch 1 tokens/s and acceptance of our
+speculative generation at each K against the target alone and transformers' ``generate(use_mtp=True)``; with
+``--full`` every K of ``--ks``, their draft rounds and cold compiles (``ksweep``, ``kcompile``), and left-padded
+batches, each row advancing by its own accepted length or the batch in lockstep, with the per-row rollback's cost
+(``perrow``). Methods take turns input by input after one untimed warm-up each (the drafters' compiles)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,27 +22,39 @@ from transformers.generation.candidate_generator import MTPCandidateGenerator
 from inkling_compiled import InklingMTP
 from inkling_compiled.config import logits_vocab_size
 from inkling_compiled.hf_compat import cache_argument
-from inkling_compiled.runtime import Drafter
-from inkling_compiled.runtime.speculative import speculative_generate
+from inkling_compiled.runtime import Drafter, speculative
+from inkling_compiled.runtime.target_cache import rollback_rows
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 from inkling_compiled.training import distill, text_target
 
-from .harness import Context, Settings, fmt, progress, table, yes
-from .models import distilled
+from .harness import Context, Settings, Stats, error_text, fmt, progress, random_rows, run_probe, samples_ms, table, yes
+from .models import distilled, left_pad
 from .step import compile_options
 
 TEXT_PROMPT_LEN = 32  # bytes of held-out source per prompt
+PADDED_PROMPTS = 8  # the batched part's prompts, row b shortened by b % 4 tokens
+MODES = ("lockstep", "per_row")
 LABELS = {"target": "target.generate (greedy)", "target_loop": "target alone, minimal greedy loop",
-          "hf_mtp": "transformers generate(use_mtp=True)", "ours_eager": "ours, eager drafter"}
+          "hf_mtp": "transformers generate(use_mtp=True)"}
 
 
 def label(name: str) -> str:
-    return LABELS.get(name) or f"ours, compiled drafter, K = {name.rsplit('_k', 1)[-1]}"
+    """``ours_compiled_k8`` -> "ours, compiled, K = 8" (and so ``per_row_k4``, ``lockstep_k4``)."""
+    if name in LABELS:
+        return LABELS[name]
+    head, k = name.rsplit("_k", 1)
+    return f"ours, {head.removeprefix('ours_').replace('_', ' ')}, K = {k}"
+
+
+def same_tokens(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal over the columns both have (a sequence that met EOS may stop early)."""
+    width = min(a.shape[1], b.shape[1])
+    return torch.equal(a[:, :width], b[:, :width])
 
 
 @dataclass(frozen=True)
 class Target:
-    """The distilled checkpoint the end-to-end sections run on, with its prompts (None: random ids)."""
+    """The distilled checkpoint the section runs on, with its prompts (None: random ids)."""
 
     checkpoint: Path
     label: str
@@ -62,7 +79,7 @@ def build_target(s: Settings) -> Target:
                                    "build_seconds", "parameters", "corpus")}
         name = (f"text target: stdlib source, {m['parameters'] / 1e3:.0f} k parameters, "
                 f"{m['heldout_bits_per_byte']:.2f} held-out bits/byte; held-out prompts")
-        prompts = text_target.heldout_prompts(max(s.e2e_prompts, 4), TEXT_PROMPT_LEN)  # the K sweep's batch takes 4
+        prompts = text_target.heldout_prompts(max(s.e2e_prompts, PADDED_PROMPTS), TEXT_PROMPT_LEN)
         return Target(path, name, prompts, {**m["distill"], "text_target": built})
     try:
         metrics = {k: v for k, v in distill.load_metrics(path).items() if k != "loss_history"}
@@ -91,58 +108,73 @@ def count_hf_matches():
         yield rounds
 
 
-def load(checkpoint):
-    """transformers' target (fp32, CPU) and our MTP sharing its embedding and head."""
-    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
-    return target, InklingMTP.from_pretrained(checkpoint, target=target)
+@contextlib.contextmanager
+def timed_rollback(records: dict[str, list[float]]):
+    """Wall ms of every verify forward and per-row rollback of the loop, appended to ``records["forward"]`` /
+    ``["rollback"]`` (and ``["ragged"]`` for the rollbacks whose rows rejected different counts)."""
+    step, rollback = speculative._target_step, speculative.rollback_rows
+
+    def forward(*args, last_only, **kwargs):
+        start = time.perf_counter()
+        result = step(*args, last_only=last_only, **kwargs)
+        if not last_only:  # a verify forward (the prefill is last_only)
+            records["forward"].append(1e3 * (time.perf_counter() - start))
+        return result
+
+    def rolled(cache, mask, rejected):
+        start = time.perf_counter()
+        result = rollback(cache, mask, rejected)
+        records["rollback"].append(1e3 * (time.perf_counter() - start))
+        if len(set(rejected)) > 1:
+            records["ragged"].append(records["rollback"][-1])
+        return result
+
+    with mock.patch.object(speculative, "_target_step", forward), mock.patch.object(speculative, "rollback_rows",
+                                                                                    rolled):
+        yield records
 
 
-def generators(target, new_tokens: int):
-    """(the target alone: ``target.generate`` greedy, transformers' ``generate(use_mtp=True)``), each ``fn(ids,
-    mask=None)`` returning (sequences, None) / (sequences, its rounds [drafted, accepted])."""
-    gconfig, gconfig_mtp = (greedy_generation_config(target, new_tokens) for _ in range(2))
-    gconfig_mtp.use_mtp = True
-
-    def alone(ids, mask=None):
-        mask = torch.ones_like(ids) if mask is None else mask
-        return target.generate(ids, attention_mask=mask, generation_config=gconfig), None
-
-    def transformers_mtp(ids, mask=None):
-        with count_hf_matches() as rounds:
-            mask = torch.ones_like(ids) if mask is None else mask
-            return target.generate(ids, attention_mask=mask, generation_config=gconfig_mtp), rounds
-
-    return alone, transformers_mtp
+def pooled(outputs) -> dict:
+    """Our acceptance pooled over several ``SpeculativeOutput``, every (row, round) weighted alike; accepted length:
+    tokens per row per target forward."""
+    k = outputs[0].num_speculative_tokens
+    drafted, accepted = sum(o.num_drafted for o in outputs), sum(o.num_accepted for o in outputs)
+    rows = drafted // k or 1
+    per_position = [sum(sum(r[j] for r in o.accepted_per_position_per_round) for o in outputs) / rows
+                    for j in range(k)]
+    return {"acceptance": accepted / drafted if drafted else None, "drafted": drafted, "accepted": accepted,
+            "rounds": sum(o.num_rounds for o in outputs), "accepted_length": sum(sum(o.emitted_per_round)
+                                                                                  for o in outputs) / rows,
+            "acceptance_per_position": per_position, "per_sequence_accepted_length": 1 + sum(per_position)}
 
 
-def counts(detail) -> tuple[int, int, int]:
-    """(drafted, accepted, rounds that drafted) of one generation's detail: our ``SpeculativeOutput``,
-    transformers' rounds [drafted, accepted], or None (the target alone)."""
-    if detail is None:
-        return 0, 0, 0
-    if isinstance(detail, list):
-        drafting = [r for r in detail if r[0] > 0]
-        return sum(r[0] for r in drafting), sum(r[1] for r in drafting), len(drafting)
-    return detail.num_drafted, detail.num_accepted, detail.num_rounds
+def hf_pooled(rounds: list[list[int]], depths: int) -> dict:
+    """The same figures from transformers' rounds ``[drafted, accepted]`` (those that drafted): position j counts
+    the rounds whose first j + 1 drafts were accepted."""
+    drafting = [r for r in rounds if r[0] > 0]
+    drafted, accepted, n = sum(r[0] for r in drafting), sum(r[1] for r in drafting), len(drafting) or 1
+    return {"acceptance": accepted / drafted if drafted else None, "drafted": drafted, "accepted": accepted,
+            "rounds": len(drafting), "accepted_length": 1 + accepted / n,
+            "acceptance_per_position": [sum(r[1] > j for r in drafting) / n for j in range(depths)]}
 
 
-def interleaved(methods: dict, rows: list[torch.Tensor], tag: str = "e2e") -> dict[str, dict]:
-    """Each method's seconds over ``rows`` and its outputs in row order, after one untimed warm-up each
-    (``warmup_s``); the methods take turns prompt by prompt (order rotating), so drift on a shared machine hits
+def interleaved(methods: dict, inputs: list[tuple], tag: str = "e2e") -> dict[str, dict]:
+    """Each method's seconds over ``inputs`` (argument tuples) and its outputs in order, after one untimed warm-up
+    each (``warmup_s``); the methods take turns input by input (order rotating), so drift on a shared machine hits
     them alike."""
     figures = {name: {"seconds": 0.0, "outputs": []} for name in methods}
     names = list(methods)
     with torch.no_grad():
         for name, fn in methods.items():
-            progress(f"{tag}: {label(name)}: warm-up" + (" (compiles the drafter)" if "compiled" in name else ""))
+            progress(f"{tag}: {label(name)}: warm-up")
             start = time.perf_counter()
-            fn(rows[0])
+            fn(*inputs[0])
             figures[name]["warmup_s"] = time.perf_counter() - start
-        progress(f"{tag}: timing {len(rows)} prompts x {len(methods)} methods, interleaved")
-        for i, p in enumerate(rows):
+        progress(f"{tag}: timing {len(inputs)} inputs x {len(methods)} methods, interleaved")
+        for i, args in enumerate(inputs):
             for name in names[i % len(names):] + names[:i % len(names)]:
                 start = time.perf_counter()
-                figures[name]["outputs"].append(methods[name](p))
+                figures[name]["outputs"].append(methods[name](*args))
                 figures[name]["seconds"] += time.perf_counter() - start
     return figures
 
@@ -158,6 +190,71 @@ def prompt_batch(prompts: torch.Tensor | None, count: int, length: int, vocab: i
     return prompts[:count]
 
 
+def padded_groups(prompts: torch.Tensor, batch: int, pad_token_id: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    """Row b shortened by b % 4 tokens, in left-padded batches of ``batch``: (ids, mask) each."""
+    rows = [prompts[b, b % 4:] for b in range(len(prompts))]
+    return [left_pad(rows[i:i + batch], pad_token_id) for i in range(0, len(rows), batch)]
+
+
+def round_latency(drafter: Drafter, rows: int, seconds: float) -> tuple[Stats, float]:
+    """(wall ms, median thread-CPU ms) of ``drafter.draft`` at batch 1 on ``rows`` new verified rows per round,
+    positions advancing (starting over before the cache's end)."""
+    gen, calls, start = torch.Generator().manual_seed(0), [], 0
+    for _ in range(64):
+        start = 0 if start + rows >= drafter.max_length else start
+        calls.append(random_rows(drafter.model, 1, start, rows, gen))
+        start += rows
+    cycle = itertools.cycle(calls)
+
+    def draft():
+        drafter.draft(*next(cycle), validate=False)
+
+    with torch.no_grad():
+        wall = samples_ms(draft, torch.device("cpu"), seconds)
+        cpu = samples_ms(draft, torch.device("cpu"), seconds / 2, timer=time.thread_time)
+    return Stats.of(wall), statistics.median(cpu)
+
+
+def rollback_cost(target, batch: int, context: int, k: int, rounds: int = 20, seed: int = 0) -> dict:
+    """Median wall ms of a verify forward (K + 1 rows) and of the ragged per-row rollback after it, on a cache that
+    starts at ``context`` positions; rows keep 1, 2, .., K + 1 of the verified rows."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.get_text_config().vocab_size
+    mask, cache = torch.ones(batch, context, dtype=torch.long), DynamicCache(config=target.config)
+    speculative._target_step(target, torch.randint(3, vocab, (batch, context), generator=gen), mask, cache,
+                             last_only=True)
+    cache.activate_past_recording()
+    rejected, forward, rollback = [b % (k + 1) for b in range(batch)], [], []
+    for _ in range(rounds):
+        mask = torch.cat([mask, mask.new_ones(batch, k + 1)], dim=1)
+        start = time.perf_counter()
+        speculative._target_step(target, torch.randint(3, vocab, (batch, k + 1), generator=gen), mask, cache,
+                                 last_only=False)
+        middle = time.perf_counter()
+        mask = rollback_rows(cache, mask, rejected)
+        forward.append(1e3 * (middle - start))
+        rollback.append(1e3 * (time.perf_counter() - middle))
+    forward_ms, rollback_ms = statistics.median(forward), statistics.median(rollback)
+    return {"context": context, "batch": batch, "k": k, "forward_ms": forward_ms, "rollback_ms": rollback_ms,
+            "share": rollback_ms / forward_ms}
+
+
+@dataclass
+class E2EConfig:
+    ks: tuple[int, ...] = (1, 8)  # beyond the checkpoint's depths: left out
+    prompts: int = 2  # batch 1
+    new_tokens: int = 64
+    compiled: bool = True  # False: eager drafters everywhere (the same tokens; for tests)
+    hf_mtp: bool = True
+    eager: bool = True  # our eager drafter at K = 1 beside the compiled ones
+    target_loop: bool = True
+    round_seconds: float = 0.0  # of draft-round timing per K and window; 0: none
+    cold_compile: tuple[int, ...] = ()  # the Ks whose drafter compiles in a fresh process
+    batches: tuple[int, ...] = ()  # the left-padded batches, per row and lockstep; (): none
+    contexts: tuple[int, ...] = (64,)  # the rollback outside the loop
+    threads: int = 1
+
+
 @dataclass
 class E2E:
     target: str
@@ -166,84 +263,207 @@ class E2E:
     prompt_len: int
     new_tokens: int
     hf_mtp_depths: int
-    methods: dict[str, dict] = field(default_factory=dict)
+    methods: dict[str, dict] = field(default_factory=dict)  # batch 1
+    rounds: dict[str, dict] = field(default_factory=dict)  # K -> draft-round latency, cold compile
+    batched: dict | None = None  # target tok/s per batch; K -> batch -> lockstep / per_row / rollback
     distill: dict | None = None
 
 
-def run_e2e(checkpoint, *, ks=(1,), prompts: torch.Tensor | None = None, count: int = 4, new_tokens: int = 64,
-            compiled: bool = True, hf_mtp: bool = True, eager: bool = True, target_loop: bool = True,
+def run_e2e(checkpoint, cfg: E2EConfig | None = None, *, prompts: torch.Tensor | None = None,
             target_label: str = "", distill_metrics: dict | None = None) -> E2E:
-    """Every method on ``count`` prompts of ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
-    target, mtp = load(checkpoint)
-    text = target.config.get_text_config()
-    vocab = logits_vocab_size(text)
-    rows = [row[None] for row in prompt_batch(prompts, count, 8, vocab, 0)]
-    alone, transformers_mtp = generators(target, new_tokens)
-    max_length = rows[0].shape[1] + new_tokens + 8
+    """Every figure of the section on ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
+    cfg = cfg or E2EConfig()
+    torch.set_num_threads(cfg.threads)
+    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
+    mtp = InklingMTP.from_pretrained(checkpoint, target=target)
+    text, ks = target.config.get_text_config(), tuple(k for k in cfg.ks if k <= mtp.config.num_depths)
+    if not ks:
+        raise ValueError(f"none of K = {cfg.ks} fits the checkpoint's {mtp.config.num_depths} MTP depth(s)")
+    vocab, new = logits_vocab_size(text), cfg.new_tokens
+    prompts = prompt_batch(prompts, max(cfg.prompts, PADDED_PROMPTS if cfg.batches else 0), 8, vocab, 0)
+    gconfig, gconfig_mtp = (greedy_generation_config(target, new) for _ in range(2))
+    gconfig_mtp.use_mtp = True
+    max_length = prompts.shape[1] + new + 8
 
-    def loop(p):
+    def alone(ids, mask=None):
+        return target.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
+                               generation_config=gconfig), None
+
+    def transformers_mtp(ids):
+        with count_hf_matches() as rounds:
+            return target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gconfig_mtp), rounds
+
+    def loop(ids):
         """The target alone through the calls our speculative loop makes (no generate() machinery)."""
-        cache, mask, ids, out = DynamicCache(config=target.config), torch.ones_like(p), p, [p]
-        for _ in range(new_tokens):
-            h = target.model(input_ids=ids, attention_mask=mask, use_cache=True,
+        cache, mask, step, out = DynamicCache(config=target.config), torch.ones_like(ids), ids, [ids]
+        for _ in range(new):
+            h = target.model(input_ids=step, attention_mask=mask, use_cache=True,
                              **{cache_argument(target.model): cache}).last_hidden_state
-            ids = target.lm_head(h[:, -1:] / text.logits_mup_width_multiplier)[..., :vocab].argmax(-1)
-            out.append(ids)
+            step = target.lm_head(h[:, -1:] / text.logits_mup_width_multiplier)[..., :vocab].argmax(-1)
+            out.append(step)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         return torch.cat(out, dim=1), None
 
-    def ours(k, compile):
-        drafter = Drafter(mtp, 1, max_length, num_speculative_tokens=k, compile=compile,
-                          compile_options=compile_options(passes=True, fresh=False) if compile else None)
+    def drafter(k, compile):
+        return Drafter(mtp, max((1, *cfg.batches)), max_length, num_speculative_tokens=k, compile=compile,
+                       batch_buckets=(1, *cfg.batches),
+                       compile_options=compile_options(passes=True, fresh=False) if compile else None)
 
-        def run(p):
-            out = speculative_generate(target, drafter, p, max_new_tokens=new_tokens)
+    def ours(d, lockstep=False, records=None):
+        def run(ids, mask=None):
+            with timed_rollback(records) if records is not None else contextlib.nullcontext():
+                out = speculative.speculative_generate(target, d, ids, mask, max_new_tokens=new, lockstep=lockstep)
             return out.sequences, out
         return run
 
-    methods = {"target": alone, **({"target_loop": loop} if target_loop else {}),
-               **({"hf_mtp": transformers_mtp} if hf_mtp else {}), **({"ours_eager": ours(1, False)} if eager else {})}
-    methods.update({f"ours_compiled_k{k}": ours(k, True) for k in ks if compiled and k <= mtp.config.num_depths})
-    figures = interleaved(methods, rows)
-    record = E2E(target_label or "distilled synthetic target, random prompts", str(checkpoint), len(rows),
-                 rows[0].shape[1], new_tokens, text.num_mtp_layers, distill=distill_metrics)
-    news = {name: [out[:, p.shape[1]:] for p, (out, _) in zip(rows, f["outputs"])] for name, f in figures.items()}
-    base = sum(new.shape[1] for new in news["target"]) / figures["target"]["seconds"]
+    kind = "compiled" if cfg.compiled else "eager"
+    drafters = {f"ours_{kind}_k{k}": drafter(k, cfg.compiled) for k in ks}
+    if cfg.eager:
+        drafters.setdefault("ours_eager_k1", drafter(1, False))
+    methods = {"target": alone, **({"target_loop": loop} if cfg.target_loop else {}),
+               **({"hf_mtp": transformers_mtp} if cfg.hf_mtp else {}), **{n: ours(d) for n, d in drafters.items()}}
+    figures = interleaved(methods, [(prompts[i:i + 1],) for i in range(cfg.prompts)])
+    record = E2E(target_label or f"distilled checkpoint {checkpoint}", str(checkpoint), cfg.prompts,
+                 prompts.shape[1], new, text.num_mtp_layers, distill=distill_metrics)
+    base, hf_s = figures["target"]["seconds"], figures.get("hf_mtp", {}).get("seconds")
     for name, f in figures.items():
-        tokens = sum(new.shape[1] for new in news[name])
-        tokens_per_s = tokens / f["seconds"]
-        drafted, accepted, rounds = map(sum, zip(*(counts(detail) for _, detail in f["outputs"])))
-        matches = sum(torch.equal(new[:, :ref.shape[1]], ref[:, :new.shape[1]])
-                      for new, ref in zip(news[name], news["target"]))
+        outs, details = [o[:, prompts.shape[1]:] for o, _ in f["outputs"]], [d for _, d in f["outputs"]]
+        tokens, k = sum(o.shape[1] for o in outs), int(name.rsplit("_k", 1)[1]) if "_k" in name else None
+        counts = (hf_pooled([r for d in details for r in d], text.num_mtp_layers) if name == "hf_mtp"
+                  else pooled(details) if k else {})
         record.methods[name] = {
-            "k": int(name.rsplit("_k", 1)[1]) if "_k" in name else 1 if name == "ours_eager" else None,
-            "tokens_per_s": tokens_per_s, "ms_per_token": 1e3 * f["seconds"] / tokens,
-            "speedup_vs_target": tokens_per_s / base, "new_tokens": tokens, "seconds": f["seconds"],
-            "warmup_s": f["warmup_s"], "acceptance": accepted / drafted if drafted else None,
-            "drafted": drafted, "accepted": accepted, "rounds": rounds,
-            "tokens_per_round": (tokens - len(rows)) / rounds if rounds else None,
-            "outputs_match_target": None if name == "target" else matches == len(rows)}
+            "k": text.num_mtp_layers if name == "hf_mtp" else k, "tokens_per_s": tokens / f["seconds"],
+            "ms_per_token": 1e3 * f["seconds"] / tokens, "speedup_vs_target": base / f["seconds"],
+            "speedup_vs_hf_mtp": hf_s / f["seconds"] if hf_s and k else None, "new_tokens": tokens,
+            "seconds": f["seconds"], "warmup_s": f["warmup_s"], **counts, "outputs_match_target": None
+            if name == "target" else all(same_tokens(o, r[:, prompts.shape[1]:])
+                                         for o, (r, _) in zip(outs, figures["target"]["outputs"]))}
+    with torch.no_grad():
+        for k in ks:
+            d = drafters[f"ours_{kind}_k{k}"]
+            if cfg.round_seconds:
+                progress(f"e2e: draft-round latency, K={k}")
+                (one, one_cpu), (full, full_cpu) = (round_latency(d, rows, cfg.round_seconds) for rows in (1, k + 1))
+                record.rounds[str(k)] = {"one_row_ms": one, "one_row_cpu_ms": one_cpu, "all_rows_ms": full,
+                                         "all_rows_cpu_ms": full_cpu, "cold_compile": None}
+        _cold_compiles(record, checkpoint, [k for k in cfg.cold_compile if str(k) in record.rounds], cfg.threads)
+        if cfg.batches:
+            record.batched = _batched(target, {k: drafters[f"ours_{kind}_k{k}"] for k in ks}, ours, alone, prompts,
+                                      cfg, record.methods)
     return record
+
+
+def _batched(target, drafters: dict, ours, alone, prompts, cfg: E2EConfig, batch1: dict) -> dict:
+    """Per row against lockstep at each batch, every K, beside target.generate on the same left-padded batches."""
+    found = {"target": {}, "ks": {str(k): {} for k in drafters}}
+    for batch in cfg.batches:
+        groups = padded_groups(prompts[:PADDED_PROMPTS], batch, target.generation_config.pad_token_id or 0)
+        records = {k: {"forward": [], "rollback": [], "ragged": []} for k in drafters}
+        methods = {"target": alone, **{f"{mode}_k{k}": ours(d, mode == "lockstep", records[k] if mode == "per_row"
+                                                            else None) for k, d in drafters.items() for mode in MODES}}
+        figures = interleaved(methods, groups, f"e2e batch {batch}")
+        tokens = len(prompts[:PADDED_PROMPTS]) * cfg.new_tokens
+        found["target"][str(batch)] = tokens / figures["target"]["seconds"]
+        reference = [out for out, _ in figures["target"]["outputs"]]
+        for k in drafters:
+            row = found["ks"][str(k)][str(batch)] = {}
+            one = next(m["accepted_length"] for n, m in batch1.items() if n.startswith("ours") and m["k"] == k)
+            for mode in MODES:
+                f = figures[f"{mode}_k{k}"]
+                outs = [o for _, o in f["outputs"]]
+                row[mode] = {**pooled(outs), "tokens_per_s": tokens / f["seconds"],
+                             "speedup_vs_target": figures["target"]["seconds"] / f["seconds"],
+                             "target_forwards": sum(o.num_rounds + 1 for o in outs),
+                             "same_tokens": all(same_tokens(o.sequences, r) for o, r in zip(outs, reference))}
+                row[mode]["vs_batch1"] = row[mode]["accepted_length"] / one
+            r = records[k]
+            forward, rollback = statistics.median(r["forward"]), statistics.median(r["rollback"])
+            row["rollback"] = {"forward_ms": forward, "rollback_ms": rollback, "share": rollback / forward,
+                               "ragged_ms": statistics.median(r["ragged"]) if r["ragged"] else None,
+                               "rounds": len(r["rollback"]), "ragged_rounds": len(r["ragged"])}
+    progress("e2e: rollback vs context")
+    found["rollback_vs_context"] = [rollback_cost(target, max(cfg.batches), c, max(drafters)) for c in cfg.contexts]
+    return found
+
+
+def _cold_compiles(record: E2E, checkpoint, ks: list[int], threads: int) -> None:
+    """Each K's drafter compiled in its own fresh process with an empty Inductor cache (a K that fails records its
+    error), CPU seconds also as a ratio to the first K's."""
+    first = None
+    for k in ks:
+        progress(f"e2e: cold compile, K={k} (fresh process, empty Inductor cache)")
+        try:
+            with tempfile.TemporaryDirectory(prefix="e2e-inductor-") as cache:
+                found = run_probe("probes.k_compile", {"checkpoint": str(checkpoint), "k": k, "threads": threads},
+                                  cache_dir=cache, timeout=1800)
+        except Exception as e:  # noqa: BLE001 - keep the other Ks
+            record.rounds[str(k)]["cold_compile"] = {"error": error_text(e)}
+            continue
+        first = first or found["cpu_s"]
+        record.rounds[str(k)]["cold_compile"] = {**found, "ratio_to_first": found["cpu_s"] / first}
 
 
 def measure(ctx: Context) -> E2E:
     s, target = ctx.settings, ctx.e2e_target()
-    return run_e2e(target.checkpoint, ks=s.e2e_ks, prompts=target.prompts, count=s.e2e_prompts,
-                   new_tokens=s.e2e_tokens, compiled=s.runs("compiled"), hf_mtp=s.runs("peer"),
-                   eager=s.runs("e2e_eager"), target_loop=s.runs("target_loop"), target_label=target.label,
+    sweep, cold, batched = (s.runs(part) and s.device == "cpu" for part in ("ksweep", "kcompile", "perrow"))
+    ks = tuple(sorted({*s.e2e_ks, *s.ks})) if sweep else s.e2e_ks
+    cfg = E2EConfig(ks=ks, prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, compiled=s.runs("compiled"),
+                    hf_mtp=s.runs("peer"), eager=s.runs("e2e_eager"), target_loop=s.runs("target_loop"),
+                    round_seconds=s.k_seconds if sweep else 0.0, threads=s.threads,
+                    cold_compile=tuple(sorted({min(ks), max(ks)})) if cold else (), batches=(4, 8) if batched else ())
+    return run_e2e(target.checkpoint, cfg, prompts=target.prompts, target_label=target.label,
                    distill_metrics=target.metrics)
+
+
+def _per_position(m: dict) -> str:
+    return " ".join(f"{a:.2f}" for a in m.get("acceptance_per_position") or []) or "-"
 
 
 def lines(e2e: dict) -> list[str]:
     agree = (e2e.get("distill") or {}).get("agreement_after")
     out = [f"end to end ({e2e['target']}; greedy, batch 1, {e2e['prompts']} prompts x {e2e['new_tokens']} new tokens"
            + (f"; distilled depth agreement {', '.join(f'{a:.2f}' for a in agree)}" if agree else "") + ")"]
-    rows = [["method", "tok/s", "ms/tok", "accept", "tok/round", "vs target", "same tokens"]]
+    rows = [["method", "tok/s", "ms/tok", "accept", "accepted len", "acceptance per position", "vs target",
+             "vs hf", "same tokens", "warm-up s"]]
     for name, m in e2e["methods"].items():
-        rows.append([label(name), f"{m['tokens_per_s']:.1f}", f"{m['ms_per_token']:.2f}", fmt(m["acceptance"]),
-                     fmt(m["tokens_per_round"]), f"{m['speedup_vs_target']:.2f}x", yes(m["outputs_match_target"])])
+        rows.append([label(name), f"{m['tokens_per_s']:.1f}", f"{m['ms_per_token']:.2f}", fmt(m.get("acceptance")),
+                     fmt(m.get("accepted_length")), _per_position(m), f"{m['speedup_vs_target']:.2f}x",
+                     fmt(m["speedup_vs_hf_mtp"], ".2f", "x"), yes(m["outputs_match_target"]), f"{m['warmup_s']:.1f}"])
     out += table(rows)
     if "hf_mtp" in e2e["methods"]:
         out.append(f"  transformers drafts {e2e['hf_mtp_depths']} tokens per round (every depth); ours K (depths "
-                   "0..K-1); tok/round: tokens per target forward")
-    return out
+                   "0..K-1); accepted len: tokens per target forward (docs/protocol.md §6.8); warm-up: the first "
+                   "call (ours compiled: the compile)")
+    if e2e["rounds"]:
+        rows = [["K", "draft round ms, 1 row (cpu)", "K + 1 rows (cpu)", "cold compile cpu s (wall)", "x first K",
+                 "graphs", "recompiles / 64 rounds"]]
+        for k, r in e2e["rounds"].items():
+            cold = r["cold_compile"] or {}
+            compiled = (["FAILED", "-", "-", "-"] if "error" in cold else ["-"] * 4 if not cold else [
+                f"{cold['cpu_s']:.1f} ({cold['wall_s']:.1f})", f"{cold['ratio_to_first']:.2f}x", str(cold["graphs"]),
+                str(cold["recompiles_over_64_rounds"])])
+            rows.append([k, f"{r['one_row_ms']['median_ms']:.2f} ({r['one_row_cpu_ms']:.2f})",
+                         f"{r['all_rows_ms']['median_ms']:.2f} ({r['all_rows_cpu_ms']:.2f})", *compiled])
+        out += ["draft rounds at batch 1; cold compile: K and K + 1-row windows, each K in a fresh process",
+                *table(rows, "  ")]
+    return out + (_batched_lines(e2e["batched"]) if e2e.get("batched") else [])
+
+
+def _batched_lines(batched: dict) -> list[str]:
+    rows = [["K", "batch", "tok/s target", "tok/s lockstep (vs target)", "tok/s per-row (vs target)",
+             "tok/fwd lockstep (vs b1)", "tok/fwd per-row (vs b1)", "per-row len per seq",
+             "rollback ms (ragged) / forward ms (share)", "same tokens"]]
+    for k, entry in batched["ks"].items():
+        for batch, row in entry.items():
+            lock, per, rb = row["lockstep"], row["per_row"], row["rollback"]
+            rows.append([k, batch, f"{batched['target'][batch]:.1f}",
+                         *(f"{m['tokens_per_s']:.1f} ({m['speedup_vs_target']:.2f}x)" for m in (lock, per)),
+                         *(f"{m['accepted_length']:.2f} ({m['vs_batch1']:.0%})" for m in (lock, per)),
+                         f"{per['per_sequence_accepted_length']:.2f}",
+                         f"{rb['rollback_ms']:.3f} ({fmt(rb['ragged_ms'], '.3f')}) / {rb['forward_ms']:.2f} "
+                         f"({rb['share']:.1%})", yes(lock["same_tokens"] and per["same_tokens"])])
+    return ["left-padded batches (row b shortened by b % 4), per row vs lockstep; vs b1: over batch 1's accepted "
+            "length", *table(rows, "  ")] + [
+        f"  rollback outside the loop, batch {c['batch']}, K={c['k']}, context {c['context']}: "
+        f"{c['rollback_ms']:.3f} ms vs verify forward {c['forward_ms']:.2f} ms ({c['share']:.1%})"
+        for c in batched["rollback_vs_context"]]

@@ -155,8 +155,8 @@ log "OUT=$OUT device=$DEVICE full=$FULL_CONFIG small=$SMALL_CONFIG extra=[$EXTRA
 stage env 30 bash -c env_report
 [ -f "$SITE/.complete" ] && export PYTHONPATH="$REPO:$SITE${PYTHONPATH#"$REPO"}"
 stage graphs 60 bash -c 'gpu_tests -k cuda_graph'  # K = 1 and the whole K = 8 round as one graph per bucket
-# Each bench stage names the sections it runs (`--full`: every part of them); the depths and perrow sections are
-# CPU-only, and the packaged and quant sections have stages of their own.
+# Each bench stage names the sections it runs (`--full`: every part of them; e2e's ksweep, kcompile and perrow
+# parts are CPU-only), and the packaged and quant sections have stages of their own.
 stage full 90 bash -c "bench full --config '$FULL_CONFIG' --weights random --only latency --skip stock \
   --context 128 --time-budget 10"
 E2E_SOURCE="--distill-steps 100"

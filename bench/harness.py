@@ -181,7 +181,7 @@ def table(rows: list[list[str]], indent: str = "") -> list[str]:
 # ------------------------------------------------------------------------------------------------ a run's settings
 
 # Parts of sections the default (headline) run leaves out; ``--full`` runs them
-FULL_ONLY = frozenset({"kernels", "stock", "depths", "tp", "multimodal", "kcompile", "perrow", "packaged_latency",
+FULL_ONLY = frozenset({"kernels", "stock", "ksweep", "tp", "multimodal", "kcompile", "perrow", "packaged_latency",
                        "startup_compile", "e2e_eager", "target_loop", "kround_choices"})
 # Sections a preset runs only when asked with --with (on tiny: one compile per scheme, for a step too small to
 # be memory-bound)

@@ -1,16 +1,15 @@
 """The report image: one PNG of the figures drafters are compared by, drawn from a result dict alone with matplotlib
-(the ``plots`` extra). A panel is drawn only where the run measured its data; the header names those left out. The
-K panels read the ``depths`` section when the run has one, else the ``e2e`` section."""
+(the ``plots`` extra). A panel is drawn only where the run measured its data; the header names those left out."""
 
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-from .e2e import LABELS as E2E_LABELS
+from .e2e import LABELS
 from .harness import ms
 from .step import LABELS as VARIANT_LABELS
 
@@ -27,9 +26,9 @@ VLLM_STYLE = {"color": "black", "linestyle": "--", "markerfacecolor": "none", "l
 
 VARIANT_COLORS = {"eager": "tab:gray", "compiled_nopasses": "tab:blue", "compiled": "tab:green",
                   "compiled_call": "tab:olive", "cudagraph": "tab:red", "hf_eager": "tab:orange"}
-OURS = "ours"
-METHOD_STYLES = {OURS: {"color": "tab:green", "marker": "o"}, E2E_LABELS["ours_eager"]: {"color": "tab:gray",
-                 "marker": "x"}, E2E_LABELS["hf_mtp"]: {"color": "tab:orange", "marker": "D"}}
+METHOD_LINES = {"ours_compiled": "ours", "ours_eager": "ours, eager drafter", "hf_mtp": LABELS["hf_mtp"]}
+METHOD_STYLES = {"ours": {"color": "tab:green", "marker": "o"}, "ours, eager drafter": {"color": "tab:gray",
+                 "marker": "x"}, LABELS["hf_mtp"]: {"color": "tab:orange", "marker": "D"}}
 STARTUP_PARTS = {"import_s": "imports", "load_s": "loading the models",
                  "first_call_s": "first draft: compile (or package load) + run"}
 
@@ -38,79 +37,29 @@ MISSING_HINT = ("plots: matplotlib is not installed, so no report image was draw
                 "`python -m bench report {json}`")
 
 
-@dataclass(frozen=True)
-class Drawn:
+class Drawn(NamedTuple):
     path: Path | None  # None: the run measured nothing a panel shows, no file was written
     panels: list[str]  # titles of the panels drawn, in order
     left_out: list[str]  # the kinds of panel this run has no data for
 
 
-@dataclass(frozen=True)
-class Panel:
+class Panel(NamedTuple):
     title: str
-    draw: Callable  # draw(ax)
+    draw: Callable  # draw(ax); the axis labels and the legend follow
+    xlabel: str
+    ylabel: str
+    legend: dict | None = None  # ax.legend's placement
 
 
-# ------------------------------------------------------------------------------------------------ the K sweep
+def by_method(e2e: dict | None) -> dict[str, list[dict]]:
+    """The K panels' lines: the e2e section's batch-1 methods that draft (ours compiled, ours eager, transformers'),
+    each by K; {} when the section did not run or failed."""
+    lines: dict[str, list[dict]] = {}
+    for name, m in sorted((e2e or {}).get("methods", {}).items(), key=lambda item: item[1]["k"] or 0):
+        for prefix in (p for p in METHOD_LINES if name.startswith(p)):
+            lines.setdefault(METHOD_LINES[prefix], []).append(m)
+    return lines
 
-@dataclass(frozen=True)
-class SweepPoint:
-    """One method at one K (drafts per round), end to end."""
-
-    method: str
-    k: int
-    speedup_vs_target: float
-    mean_accepted_length: float | None
-    acceptance_per_position: list[float] | None  # fractions; None where only the total was counted
-
-
-@dataclass(frozen=True)
-class Sweep:
-    points: list[SweepPoint]
-    target_tokens_per_s: float
-    baselines: dict[str, float]  # other ways of running the target alone: label -> tokens/s over target.generate's
-    draft_round_ms: dict[int, list[tuple[int, dict]]]  # batch -> [(K, harness.Stats as a dict)], by K
-    source: str  # "K sweep" or "e2e section": where the figures come from, for the panel titles
-
-    def by_method(self) -> dict[str, list[SweepPoint]]:
-        out: dict[str, list[SweepPoint]] = {}
-        for p in sorted(self.points, key=lambda p: p.k):
-            out.setdefault(p.method, []).append(p)
-        return out
-
-
-def sweep(result: dict) -> Sweep | None:
-    """The K panels' data: the ``depths`` section if the run has one, else the ``e2e`` section; None if neither
-    produced figures."""
-    depths, e2e = result.get("depths"), result.get("e2e")
-    if depths and "error" not in depths:
-        ours = sorted(depths["ours"].values(), key=lambda p: p["k"])
-        runs = [(OURS, p) for p in ours] + ([(E2E_LABELS["hf_mtp"], depths["hf_mtp"])] if depths["hf_mtp"] else [])
-        rounds: dict[int, list[tuple[int, dict]]] = {}
-        for p in ours:
-            for batch, stats in p["draft_round_ms"].items():
-                rounds.setdefault(int(batch), []).append((p["k"], stats))
-        return Sweep([SweepPoint(method, p["k"], p["speedup_vs_target"], p["mean_accepted_length"],
-                                 p["acceptance_per_position"]) for method, p in runs],
-                     depths["target_tokens_per_s"], {}, dict(sorted(rounds.items())), "K sweep")
-    if not e2e or "error" in e2e:
-        return None
-    methods, points = e2e["methods"], []
-    for name, m in methods.items():
-        if name.startswith("ours"):  # K = 1's acceptance per position is accepted / drafted; other Ks count a total
-            per_position = [m["acceptance"]] if m["k"] == 1 and m["acceptance"] is not None else None
-            method = E2E_LABELS["ours_eager"] if name == "ours_eager" else OURS
-            points.append(SweepPoint(method, m["k"], m["speedup_vs_target"], m["tokens_per_round"], per_position))
-    if "hf_mtp" in methods:
-        m = methods["hf_mtp"]
-        points.append(SweepPoint(E2E_LABELS["hf_mtp"], e2e["hf_mtp_depths"], m["speedup_vs_target"],
-                                 m["tokens_per_round"], None))
-    loop = methods.get("target_loop")
-    baselines = {E2E_LABELS["target_loop"]: loop["speedup_vs_target"]} if loop else {}
-    return Sweep(points, methods["target"]["tokens_per_s"], baselines, {}, "e2e section")
-
-
-# ------------------------------------------------------------------------------------------------ panels
 
 def _whiskers(stats: list[dict]) -> tuple[list[float], list[list[float]]]:
     """Medians and their p10 / p90 distances (matplotlib's asymmetric ``yerr``) of ``harness.Stats`` dicts."""
@@ -163,52 +112,48 @@ def _latency_panel(name: str, cfg: dict, settings: dict) -> Panel:
             values += [y for _, y in at]
         _scale(ax, values)
         ax.set_xticks(range(len(entries)), [f"batch {e['batch']}, context {e['context']}" for e in entries])
-        ax.set_ylabel("ms per step (median, p10-p90)")
-        ax.legend(fontsize=6, loc="upper left", ncol=3)
 
-    return Panel(f"{name}: one-token draft step ({shape}, {settings['device']} {settings['dtype']})", draw)
+    return Panel(f"{name}: one-token draft step ({shape}, {settings['device']} {settings['dtype']})", draw, "",
+                 "ms per step (median, p10-p90)", {"loc": "upper left", "ncol": 3})
 
 
-def _acceptance_panel(sw: Sweep) -> Panel:
+def _acceptance_panel(lines: dict[str, list[dict]]) -> Panel:
     def draw(ax):
-        for p in sw.points:
-            if p.acceptance_per_position:
-                ax.plot(range(1, p.k + 1), [100 * a for a in p.acceptance_per_position], label=f"{p.method}, K = "
-                        f"{p.k}", **METHOD_STYLES.get(p.method, {}))
+        for method, runs in lines.items():
+            for m in runs:
+                ax.plot(range(1, m["k"] + 1), [100 * a for a in m["acceptance_per_position"]],
+                        label=f"{method}, K = {m['k']}", **METHOD_STYLES[method])
         for k, curve in VLLM_ACCEPTANCE.items():
             ax.plot(range(1, k + 1), curve, marker="s" if k > 1 else "*", **VLLM_STYLE,
                     label=f"{VLLM_LABEL}, {k} depth{'s' * (k > 1)}")
         ax.set_ylim(0, 100)
-        ax.set_xticks(range(1, 1 + max(max(VLLM_ACCEPTANCE), *(p.k for p in sw.points))))
-        ax.set_xlabel("draft position j")
-        ax.set_ylabel("rounds with drafts 1..j all accepted (%)")
-        ax.legend(fontsize=6)
+        ax.set_xticks(range(1, 1 + max(max(VLLM_ACCEPTANCE), *(m["k"] for runs in lines.values() for m in runs))))
 
-    return Panel(f"acceptance per draft position ({sw.source})", draw)
+    return Panel("acceptance per draft position (e2e, batch 1)", draw, "draft position j",
+                 "rounds with drafts 1..j all accepted (%)")
 
 
-def _against_k_panel(sw: Sweep) -> Panel:
+def _against_k_panel(e2e: dict, lines: dict[str, list[dict]]) -> Panel:
     """tokens/s relative to the target alone (solid, left axis) and mean accepted length (dashed, right axis)."""
+    loop = e2e["methods"].get("target_loop")
+    points = [m for runs in lines.values() for m in runs]
+
     def draw(ax):
-        for method, pts in sw.by_method().items():
-            ax.plot([p.k for p in pts], [p.speedup_vs_target for p in pts], label=f"{method}: tokens/s",
-                    **METHOD_STYLES.get(method, {}))
-        ax.axhline(1.0, color="black", linewidth=1,
-                   label=f"target alone, target.generate ({sw.target_tokens_per_s:.1f} tok/s)")
-        for label, x in sw.baselines.items():
-            ax.axhline(x, color="black", linestyle=":", linewidth=1, label=label)
-        ax.set_ylim(0, 1.3 * max([1.0, *sw.baselines.values(), *(p.speedup_vs_target for p in sw.points)]))
-        ax.set_xlabel("K (drafts per round)")
-        ax.set_ylabel("tokens/s / the target alone's (solid)")
-        ax.legend(fontsize=6, loc="upper left")
         length = ax.twinx()
-        for method, pts in sw.by_method().items():
-            pts = [p for p in pts if p.mean_accepted_length is not None]
-            length.plot([p.k for p in pts], [p.mean_accepted_length for p in pts], linestyle="--",
-                        label=f"{method}: accepted length", **METHOD_STYLES.get(method, {}))
+        for method, runs in lines.items():
+            ks = [m["k"] for m in runs]
+            ax.plot(ks, [m["speedup_vs_target"] for m in runs], label=f"{method}: tokens/s", **METHOD_STYLES[method])
+            length.plot(ks, [m["accepted_length"] for m in runs], linestyle="--", label=f"{method}: accepted length",
+                        **METHOD_STYLES[method])
+        ax.axhline(1.0, color="black", linewidth=1, label="target alone, target.generate "
+                   f"({e2e['methods']['target']['tokens_per_s']:.1f} tok/s)")
+        if loop:
+            ax.axhline(loop["speedup_vs_target"], color="black", linestyle=":", linewidth=1,
+                       label=LABELS["target_loop"])
+        ax.set_ylim(0, 1.3 * max([1.0, *(m["speedup_vs_target"] for m in [*points, *filter(None, [loop])])]))
         ks = sorted(VLLM_MEAN_ACCEPTED_LENGTH)
         length.plot(ks, [VLLM_MEAN_ACCEPTED_LENGTH[k] for k in ks], marker="s", **VLLM_STYLE, label=VLLM_LABEL)
-        top = max(ks[-1], *(p.k for p in sw.points))
+        top = max(ks[-1], *(m["k"] for m in points))
         length.plot([1, top], [2, top + 1], color="lightgray", linestyle=":", label="upper bound K + 1")
         length.set_ylim(0, top + 1.5)
         length.tick_params(labelsize=7)
@@ -216,21 +161,21 @@ def _against_k_panel(sw: Sweep) -> Panel:
         length.legend(fontsize=6, loc="upper right")
         ax.set_xticks(range(1, top + 1))
 
-    return Panel(f"tokens/s and accepted length against K ({sw.source})", draw)
+    return Panel("tokens/s and accepted length against K (e2e, batch 1)", draw, "K (drafts per round)",
+                 "tokens/s / the target alone's (solid)", {"loc": "upper left"})
 
 
-def _draft_round_panel(sw: Sweep) -> Panel:
+def _draft_round_panel(rounds: dict[str, dict]) -> Panel:
     def draw(ax):
-        for batch, pts in sw.draft_round_ms.items():
-            med, err = _whiskers([s for _, s in pts])
-            ax.errorbar([k for k, _ in pts], med, yerr=err, marker="o", capsize=2, label=f"batch {batch}")
-        ax.set_xticks(sorted({k for pts in sw.draft_round_ms.values() for k, _ in pts}))
-        ax.set_xlabel("K (drafts per round)")
-        ax.set_ylabel("ms per draft round (median, p10-p90)")
+        ks = [int(k) for k in rounds]
+        for key, label in (("one_row_ms", "1 new row"), ("all_rows_ms", "K + 1 new rows (all accepted)")):
+            med, err = _whiskers([r[key] for r in rounds.values()])
+            ax.errorbar(ks, med, yerr=err, marker="o", capsize=2, label=label)
+        ax.set_xticks(ks)
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=6)
 
-    return Panel("draft-round latency against K (compiled, all K depths)", draw)
+    return Panel("draft-round latency against K (batch 1, all K depths)", draw, "K (drafts per round)",
+                 "ms per draft round (median, p10-p90)")
 
 
 def _startup_rows(result: dict) -> list[tuple[str, dict]]:
@@ -261,10 +206,9 @@ def _startup_panel(rows: list[tuple[str, dict]]) -> Panel:
         ax.set_yticks(ys, [label for label, _ in rows], fontsize=7)
         ax.invert_yaxis()
         ax.set_xlim(0, 1.2 * max(left))
-        ax.set_xlabel("seconds from a fresh process to its first draft")
-        ax.legend(fontsize=6, loc="lower right")
 
-    return Panel("start-up of the draft step (each in a fresh process)", draw)
+    return Panel("start-up of the draft step (each in a fresh process)", draw,
+                 "seconds from a fresh process to its first draft", "", {"loc": "lower right"})
 
 
 def _quant_panel(name: str, quant: dict) -> Panel:
@@ -278,22 +222,22 @@ def _quant_panel(name: str, quant: dict) -> Panel:
         ax.set_xticks(range(len(schemes)), [f"{n}\n{s['step_bytes'] / 1e6:.1f} MB read" for n, s in schemes.items()],
                       fontsize=7)
         _scale(ax, [*values, quant["fp32_floor_ms"]])
-        ax.set_ylabel("ms per step (median, p10-p90)")
-        ax.legend(fontsize=6)
 
-    return Panel(f"{name}: weight-only quantized step (batch {quant['batch']})", draw)
+    return Panel(f"{name}: weight-only quantized step (batch {quant['batch']})", draw, "",
+                 "ms per step (median, p10-p90)")
 
 
 def plan(result: dict) -> tuple[list[Panel], list[str]]:
     """The panels ``result`` has data for, in order, and the kinds of panel left out for want of data."""
-    configs, sw, rows = result["configs"], sweep(result), _startup_rows(result)
+    configs, e2e, rows = result["configs"], result.get("e2e"), _startup_rows(result)
+    lines = by_method(e2e)
     kinds = {
         "step latency (latency)": [_latency_panel(n, c, result["settings"]) for n, c in configs.items()
                                    if (c.get("latency") or {}).get("batches")],
-        "acceptance per position (e2e or depths)": [_acceptance_panel(sw)] if sw and any(
-            p.acceptance_per_position for p in sw.points) else [],
-        "tokens/s and accepted length against K (e2e or depths)": [_against_k_panel(sw)] if sw else [],
-        "draft-round latency against K (depths)": [_draft_round_panel(sw)] if sw and sw.draft_round_ms else [],
+        "acceptance per position (e2e)": [_acceptance_panel(lines)] if lines else [],
+        "tokens/s and accepted length against K (e2e)": [_against_k_panel(e2e, lines)] if lines else [],
+        "draft-round latency against K (e2e, --full)": [_draft_round_panel(e2e["rounds"])] if lines
+        and e2e.get("rounds") else [],
         "start-up (compile, packaged)": [_startup_panel(rows)] if rows else [],
         "quantized step (quant)": [_quant_panel(n, c["quant"]) for n, c in configs.items()
                                    if c.get("quant") and "error" not in c["quant"]]}
@@ -331,9 +275,10 @@ def draw_report(result: dict, path: Path) -> Drawn:
         ax = fig.add_subplot(math.ceil(len(panels) / COLUMNS), COLUMNS, i + 1)
         panel.draw(ax)
         ax.set_title(panel.title, fontsize=9)
+        ax.set_xlabel(panel.xlabel, fontsize=8)
+        ax.set_ylabel(panel.ylabel, fontsize=8)
+        ax.legend(fontsize=6, **(panel.legend or {}))
         ax.tick_params(labelsize=7)
-        ax.xaxis.label.set_fontsize(8)
-        ax.yaxis.label.set_fontsize(8)
         ax.grid(axis="y", alpha=0.3)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

@@ -65,13 +65,13 @@ def _startup(r: dict, name: str) -> float | None:
 
 
 def _perrow_batch4(r: dict) -> float | None:
-    ks = _get(r, "perrow", "ks") or {}
+    ks = _get(r, "e2e", "batched", "ks") or {}
     largest = max(ks, key=int, default=None)
     return _get(ks, largest, "4", "per_row", "vs_batch1") if largest else None
 
 
 def _k_compile_ratio(r: dict) -> float | None:
-    probes = [p["cold_compile"] for p in (_get(r, "depths", "ours") or {}).values()
+    probes = [p["cold_compile"] for p in (_get(r, "e2e", "rounds") or {}).values()
               if "cpu_s" in (p.get("cold_compile") or {})]
     return probes[-1]["ratio_to_first"] if len(probes) > 1 else None
 

@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 import transformers
 
-from . import compile_time, e2e, ksweep, multimodal, packaged, perrow, plots, quant, report, startup, step, tp
+from . import compile_time, e2e, multimodal, packaged, plots, quant, report, startup, step, tp
 from .harness import OPT_IN, Context, Settings, error_text, plain, probe_main, progress, write_json
 from .models import load_models
 
@@ -49,9 +49,8 @@ SECTIONS = (
     Section("latency", step, "the one-token draft step per variant, transformers' step and the GEMM floor", True),
     Section("quant", quant, "fp32 / bf16 / int8 weight-only step against the fp32 GEMM floor (opt-in on tiny)", True),
     Section("packaged", packaged, "the AOTInductor-packaged drafter: build, start-up in fresh processes (K = 1)", True),
-    Section("e2e", e2e, "end to end on the text target: ours at K = 1 and 8 vs the target and generate(use_mtp)"),
-    Section("depths", ksweep, "the K sweep: tokens/s, acceptance, batch 1 and 4, draft rounds (--full)", cpu_only=True),
-    Section("perrow", perrow, "per-row acceptance vs lockstep at batch 1, 4, 8 (--full)", cpu_only=True),
+    Section("e2e", e2e, "end to end on the text target: ours at K = 1 and 8 vs the target and generate(use_mtp); "
+            "with --full every K, draft rounds, batches 4 and 8 per row vs lockstep"),
     Section("multimodal", multimodal, "image prompts: acceptance from merged rows vs placeholder ids; the "
             "generate(custom_generate=...) wrapper's cost (--full)"),
     Section("tp", tp, "the tensor-parallel draft head on 1 and 2 gloo ranks: bytes per rank and per draft round, "
@@ -64,7 +63,9 @@ SECTIONS = (
 PARTS = {"kernels": "generated-code counts, stock vs passes (--full)", "stock": "the compiled step without our passes "
          "(--full)", "compiled": "every compiled variant", "cudagraph": "the CUDA-graph variant (CUDA)",
          "peer": "transformers' MtpModel and generate(use_mtp=True)", "floor": "the GEMM-only floor",
-         "kcompile": "the K sweep's cold compiles in fresh processes (--full)",
+         "ksweep": "e2e at every K of --ks, batch 1, and their draft rounds (--full)",
+         "kcompile": "the e2e Ks' cold compiles in fresh processes, smallest and largest (--full)",
+         "perrow": "e2e batches 4 and 8, per row vs lockstep, the rollback's cost (--full)",
          "kround_choices": "the K = 8 round compiled as one graph, beside the cached packaged one (--full)"}
 # option: (--quick, default, --full)
 COUNTS = {"time_budget": (2.0, 6.0, 20.0), "recompile_steps": (3, 10, 20), "e2e_prompts": (1, 2, 4),

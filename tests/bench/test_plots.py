@@ -46,23 +46,40 @@ def latency(batch: int) -> dict:
             "errors": {}}
 
 
-def method(tokens_per_s: float, acceptance: float | None, tokens_per_round: float | None, k: int | None = 1) -> dict:
+def method(tokens_per_s: float, k: int | None = 1, per_position: list[float] | None = None) -> dict:
+    drafting = {"acceptance": sum(per_position) / k, "drafted": 10 * k, "accepted": 5, "rounds": 10,
+                "accepted_length": 1 + sum(per_position), "acceptance_per_position": per_position,
+                "per_sequence_accepted_length": 1 + sum(per_position)} if per_position else {}
     return {"k": k, "tokens_per_s": tokens_per_s, "ms_per_token": 1e3 / tokens_per_s, "new_tokens": 16,
-            "seconds": 16 / tokens_per_s, "warmup_s": 0.1, "acceptance": acceptance, "drafted": 10, "accepted": 5,
-            "rounds": 10, "tokens_per_round": tokens_per_round, "outputs_match_target": True,
-            "speedup_vs_target": tokens_per_s / 50.0}
+            "seconds": 16 / tokens_per_s, "warmup_s": 0.1, "outputs_match_target": True,
+            "speedup_vs_target": tokens_per_s / 50.0, "speedup_vs_hf_mtp": tokens_per_s / 30.0 if k else None,
+            **drafting}
 
 
-def depth_point(k: int, per_position: list[float], rounds_ms: dict[str, dict] | None = None) -> dict:
-    rounds = rounds_ms if rounds_ms is not None else {"1": stats(0.3 * k), "4": stats(0.5 * k)}
-    return {"k": k, "tokens_per_s": 50.0 + 10 * k, "speedup_vs_target": 1 + k / 5, "speedup_vs_hf_mtp": 1.5,
-            "mean_accepted_length": 1 + sum(per_position), "acceptance_per_position": per_position,
-            "outputs_match_target": True, "draft_round_ms": rounds,
-            "draft_round_cpu_ms": {b: r["median_ms"] for b, r in rounds.items()},
-            "draft_round_all_accepted_ms": stats(0.4 * k), "compile_s": 5.0 + k, "cold_compile": None,
-            "batch4": {"compiled": False, "tokens_per_s": 100.0, "speedup_vs_target": 1.1, "mean_accepted_length":
-                       1.5, "acceptance_per_position": per_position, "per_sequence_accepted_length": 1.6,
-                       "outputs_match_target": True}}
+def batched_row(k: int) -> dict:
+    mode = {"tokens_per_s": 100.0, "speedup_vs_target": 1.1, "accepted_length": 1.5, "vs_batch1": 0.95,
+            "per_sequence_accepted_length": 1.6, "acceptance_per_position": [0.5] * k, "target_forwards": 20,
+            "same_tokens": True}
+    return {"lockstep": mode, "per_row": mode, "rollback": {"forward_ms": 5.0, "rollback_ms": 0.2, "share": 0.04,
+                                                            "ragged_ms": 0.3, "rounds": 20, "ragged_rounds": 8}}
+
+
+def e2e_record() -> dict:
+    methods = {"target": method(50.0, None), "target_loop": method(55.0, None),
+               "hf_mtp": method(30.0, 2, [0.5, 0.3]), "ours_eager_k1": method(45.0, 1, [0.5]),
+               "ours_compiled_k1": method(60.0, 1, [0.6]), "ours_compiled_k2": method(70.0, 2, [0.6, 0.4]),
+               "ours_compiled_k4": method(90.0, 4, [0.6, 0.4, 0.3, 0.2])}
+    methods["target"]["outputs_match_target"] = methods["hf_mtp"]["speedup_vs_hf_mtp"] = None
+    rounds = {str(k): {"one_row_ms": stats(0.3 * k), "one_row_cpu_ms": 0.3 * k, "all_rows_ms": stats(0.4 * k),
+                       "all_rows_cpu_ms": 0.4 * k, "cold_compile": None} for k in (1, 2, 4)}
+    rounds["4"]["cold_compile"] = {"cpu_s": 30.0, "wall_s": 31.0, "graphs": 4, "recompiles_over_64_rounds": 0,
+                                   "ratio_to_first": 1.5}
+    batched = {"target": {"4": 90.0, "8": 120.0}, "ks": {k: {b: batched_row(int(k)) for b in ("4", "8")}
+                                                         for k in ("1", "4")},
+               "rollback_vs_context": [{"context": 64, "batch": 8, "k": 4, "forward_ms": 5.0, "rollback_ms": 0.2,
+                                        "share": 0.04}]}
+    return {"target": "distilled tiny8", "checkpoint": "/ckpt", "prompts": 1, "prompt_len": 8, "new_tokens": 16,
+            "hf_mtp_depths": 2, "methods": methods, "rounds": rounds, "batched": batched, "distill": None}
 
 
 def packaged_run():
@@ -81,10 +98,6 @@ def packaged_run():
 
 def synthetic_result() -> dict:
     """Every section a run can write, with made-up figures."""
-    e2e_methods = {"target": method(50.0, None, None), "target_loop": method(55.0, None, None),
-                   "hf_mtp": method(30.0, 0.4375, 1.875, None), "ours_eager": method(45.0, 0.5, 1.5),
-                   "ours_compiled_k1": method(60.0, 0.5, 1.5), "ours_compiled_k8": method(90.0, 0.4, 3.0, 8)}
-    e2e_methods["target"].update(outputs_match_target=None, k=None)
     model = {"preset": "tiny", "weights": "checkpoint", "checkpoint": "/ckpt", "device": "cpu", "dtype": "float32",
              "hidden_size": 64, "vocab_size": 512, "logits_vocab_size": 500, "intermediate_size": 128,
              "depth0": {"sliding": True, "heads": 2, "kv_heads": 2, "head_dim": 32, "window": 8, "rel_extent": 8},
@@ -107,13 +120,7 @@ def synthetic_result() -> dict:
                              "latency": {"batches": {"1": latency(1), "4": latency(4)}, "kernels": None},
                              "packaged": packaged_run(),
                              "quant": quant}},
-        "e2e": {"target": "distilled tiny", "checkpoint": "/ckpt", "prompts": 1, "prompt_len": 8, "new_tokens": 16,
-                "methods": e2e_methods, "hf_mtp_depths": 2, "distill": None},
-        "depths": {"target": "distilled tiny8", "checkpoint": "/ckpt8", "prompts": 1, "prompt_len": 8,
-                   "new_tokens": 16, "target_tokens_per_s": 50.0, "batch4_target_tokens_per_s": 90.0,
-                   "ours": {"1": depth_point(1, [0.6]), "2": depth_point(2, [0.6, 0.4]),
-                            "4": depth_point(4, [0.6, 0.4, 0.3, 0.2])},
-                   "hf_mtp": depth_point(2, [0.5, 0.3], rounds_ms={})},
+        "e2e": e2e_record(),
         "goals": [],
     }
     result["goals"] = report.evaluate_goals(result)
@@ -127,7 +134,8 @@ def test_the_synthetic_result_prints_as_a_run_would():
     """Every section's table reads the made-up records (the keys a run writes) and the headline lists them."""
     table = run.format_table(synthetic_result())
     for line in ("compile (draft step, fresh process)", "latency, batch 4 (ms)", "quantized step, batch 1 (ms)",
-                 "start-up package", "end to end K = 8, tok/s", "K sweep (distilled tiny8", "tiny draft step, ms"):
+                 "start-up package", "end to end K = 4, tok/s", "end to end (distilled tiny8",
+                 "draft rounds at batch 1", "left-padded batches", "rollback outside the loop", "tiny draft step, ms"):
         assert line in table, line
 
 
@@ -141,11 +149,12 @@ def test_report_is_a_png_of_the_layouts_size(tmp_path):
 
 def test_a_section_the_run_did_not_produce_leaves_its_panel_out(tmp_path):
     result = synthetic_result()
-    del result["depths"], result["configs"]["tiny"]["quant"]
+    result["e2e"]["rounds"] = {}  # the default run: no draft rounds
+    del result["configs"]["tiny"]["quant"]
     drawn = plots.draw_report(result, tmp_path / "report.png")
-    assert drawn.left_out == ["draft-round latency against K (depths)", "quantized step (quant)"]
+    assert drawn.left_out == ["draft-round latency against K (e2e, --full)", "quantized step (quant)"]
     assert len(drawn.panels) == ALL_PANELS - 2
-    assert "acceptance per draft position (e2e section)" in drawn.panels  # K = 1 from today's e2e record
+    assert "acceptance per draft position (e2e, batch 1)" in drawn.panels
     assert png_size(drawn.path) == plots.figure_size(ALL_PANELS - 2) == (1400, 2 * 450 + 100)
 
 
@@ -165,10 +174,9 @@ def _with(result: dict, changes: dict) -> dict:
 
 
 @pytest.mark.parametrize("changes, left_out, panels", [
-    ({"depths": FAILED}, ["draft-round latency against K (depths)"], ALL_PANELS - 1),
-    ({"depths": SKIPPED, "e2e": FAILED}, ["acceptance per position (e2e or depths)",
-                                          "tokens/s and accepted length against K (e2e or depths)",
-                                          "draft-round latency against K (depths)"], ALL_PANELS - 3),
+    ({"e2e.rounds": {}}, ["draft-round latency against K (e2e, --full)"], ALL_PANELS - 1),
+    ({"e2e": FAILED}, ["acceptance per position (e2e)", "tokens/s and accepted length against K (e2e)",
+                       "draft-round latency against K (e2e, --full)"], ALL_PANELS - 3),
     ({"configs.tiny.compile": SKIPPED, "configs.tiny.packaged": SKIPPED}, ["start-up (compile, packaged)"],
      ALL_PANELS - 1),
     ({"configs.tiny.quant": FAILED}, ["quantized step (quant)"], ALL_PANELS - 1),
@@ -181,29 +189,19 @@ def test_each_missing_or_failed_section_loses_exactly_its_panels(changes, left_o
 
 
 def test_nothing_measured_writes_no_file(tmp_path):
-    result = _with(synthetic_result(), {"e2e": SKIPPED, "depths": SKIPPED, "configs": {}})
+    result = _with(synthetic_result(), {"e2e": SKIPPED, "configs": {}})
     drawn = plots.draw_report(result, tmp_path / "report.png")
     assert drawn.path is None and drawn.panels == [] and list(tmp_path.iterdir()) == []
     assert plots.report_line(result, tmp_path / "r.json") == ("report: nothing to draw (no section of this run "
                                                               "produced a figure)")
 
 
-def test_the_k_panels_read_the_sweep_else_todays_e2e():
-    result = synthetic_result()
-    sw = plots.sweep(result)
-    assert sw.source == "K sweep" and sw.target_tokens_per_s == 50.0
-    assert [(p.method, p.k, p.acceptance_per_position) for p in sw.points] == [
-        ("ours", 1, [0.6]), ("ours", 2, [0.6, 0.4]), ("ours", 4, [0.6, 0.4, 0.3, 0.2]),
-        ("transformers generate(use_mtp=True)", 2, [0.5, 0.3])]
-    assert [(batch, [k for k, _ in pts]) for batch, pts in sw.draft_round_ms.items()] == [(1, [1, 2, 4]),
-                                                                                          (4, [1, 2, 4])]
-    del result["depths"]
-    sw = plots.sweep(result)
-    assert sw.source == "e2e section" and sw.draft_round_ms == {}
-    assert sw.points == [plots.SweepPoint("ours, eager drafter", 1, 0.9, 1.5, [0.5]),
-                         plots.SweepPoint("ours", 1, 1.2, 1.5, [0.5]), plots.SweepPoint("ours", 8, 1.8, 3.0, None),
-                         plots.SweepPoint("transformers generate(use_mtp=True)", 2, 0.6, 1.875, None)]
-    assert sw.baselines == {"target alone, minimal greedy loop": 1.1}
+def test_the_k_panels_draw_ours_compiled_eager_and_transformers_by_k():
+    lines = plots.by_method(synthetic_result()["e2e"])
+    assert {line: [m["k"] for m in ms] for line, ms in lines.items()} == {
+        "ours": [1, 2, 4], "ours, eager drafter": [1], "transformers generate(use_mtp=True)": [2]}
+    assert lines["ours"][2]["acceptance_per_position"] == [0.6, 0.4, 0.3, 0.2]
+    assert plots.by_method(None) == {} and plots.by_method(FAILED) == {}
 
 
 def test_the_vllm_reference_is_self_consistent():
@@ -227,6 +225,7 @@ def _hide_matplotlib(monkeypatch):
 @pytest.mark.parametrize("has_matplotlib", [True, False])
 def test_the_benchmark_ends_with_the_reports_path_or_how_to_get_it(has_matplotlib, tmp_path, monkeypatch, capsys):
     e2e = synthetic_result()["e2e"]
+    e2e["rounds"] = {}
     monkeypatch.setattr(e2e_section, "measure", lambda ctx: e2e)
     if not has_matplotlib:
         _hide_matplotlib(monkeypatch)
