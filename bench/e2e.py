@@ -179,17 +179,6 @@ def interleaved(methods: dict, inputs: list[tuple], tag: str = "e2e") -> dict[st
     return figures
 
 
-def prompt_batch(prompts: torch.Tensor | None, count: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    """The first ``count`` rows of ``prompts`` [N, P] (checked), or ``count`` seeded random prompts."""
-    if prompts is None:
-        return torch.randint(3, vocab, (count, length), generator=torch.Generator().manual_seed(seed + 1000))
-    if prompts.dim() != 2 or prompts.shape[0] < count or prompts.dtype != torch.long:
-        raise ValueError(f"prompts must be int64 [N >= {count}, P], got {prompts.dtype} {tuple(prompts.shape)}")
-    if int(prompts.min()) < 0 or int(prompts.max()) >= vocab:
-        raise ValueError(f"prompt ids must lie in [0, {vocab}), got [{int(prompts.min())}, {int(prompts.max())}]")
-    return prompts[:count]
-
-
 def padded_groups(prompts: torch.Tensor, batch: int, pad_token_id: int = 0) -> list[tuple[torch.Tensor, ...]]:
     """Row b shortened by b % 4 tokens, in left-padded batches of ``batch``: (ids, mask) each."""
     rows = [prompts[b, b % 4:] for b in range(len(prompts))]
@@ -199,12 +188,8 @@ def padded_groups(prompts: torch.Tensor, batch: int, pad_token_id: int = 0) -> l
 def round_latency(drafter: Drafter, rows: int, seconds: float) -> tuple[Stats, float]:
     """(wall ms, median thread-CPU ms) of ``drafter.draft`` at batch 1 on ``rows`` new verified rows per round,
     positions advancing (starting over before the cache's end)."""
-    gen, calls, start = torch.Generator().manual_seed(0), [], 0
-    for _ in range(64):
-        start = 0 if start + rows >= drafter.max_length else start
-        calls.append(random_rows(drafter.model, 1, start, rows, gen))
-        start += rows
-    cycle = itertools.cycle(calls)
+    gen, end = torch.Generator().manual_seed(0), drafter.max_length - rows
+    cycle = itertools.cycle([random_rows(drafter.model, 1, i * rows % end, rows, gen) for i in range(64)])
 
     def draft():
         drafter.draft(*next(cycle), validate=False)
@@ -280,7 +265,11 @@ def run_e2e(checkpoint, cfg: E2EConfig | None = None, *, prompts: torch.Tensor |
     if not ks:
         raise ValueError(f"none of K = {cfg.ks} fits the checkpoint's {mtp.config.num_depths} MTP depth(s)")
     vocab, new = logits_vocab_size(text), cfg.new_tokens
-    prompts = prompt_batch(prompts, max(cfg.prompts, PADDED_PROMPTS if cfg.batches else 0), 8, vocab, 0)
+    count = max(cfg.prompts, PADDED_PROMPTS if cfg.batches else 0)
+    prompts = torch.randint(3, vocab, (count, 8), generator=torch.Generator().manual_seed(1000)) if prompts is None \
+        else prompts[:count]
+    if len(prompts) < count:
+        raise ValueError(f"{count} prompts needed, {len(prompts)} given")
     gconfig, gconfig_mtp = (greedy_generation_config(target, new) for _ in range(2))
     gconfig_mtp.use_mtp = True
     max_length = prompts.shape[1] + new + 8

@@ -135,16 +135,15 @@ def _acceptance_panel(lines: dict[str, list[dict]]) -> Panel:
 
 def _against_k_panel(e2e: dict, lines: dict[str, list[dict]]) -> Panel:
     """tokens/s relative to the target alone (solid, left axis) and mean accepted length (dashed, right axis)."""
-    loop = e2e["methods"].get("target_loop")
-    points = [m for runs in lines.values() for m in runs]
+    loop, points = e2e["methods"].get("target_loop"), [m for runs in lines.values() for m in runs]
 
     def draw(ax):
         length = ax.twinx()
         for method, runs in lines.items():
-            ks = [m["k"] for m in runs]
-            ax.plot(ks, [m["speedup_vs_target"] for m in runs], label=f"{method}: tokens/s", **METHOD_STYLES[method])
-            length.plot(ks, [m["accepted_length"] for m in runs], linestyle="--", label=f"{method}: accepted length",
-                        **METHOD_STYLES[method])
+            for axis, key, style, what in ((ax, "speedup_vs_target", "-", "tokens/s"),
+                                           (length, "accepted_length", "--", "accepted length")):
+                axis.plot([m["k"] for m in runs], [m[key] for m in runs], linestyle=style, label=f"{method}: {what}",
+                          **METHOD_STYLES[method])
         ax.axhline(1.0, color="black", linewidth=1, label="target alone, target.generate "
                    f"({e2e['methods']['target']['tokens_per_s']:.1f} tok/s)")
         if loop:
