@@ -65,7 +65,8 @@ PARTS = {"kernels": "generated-code counts, stock vs passes (--full)", "stock": 
          "peer": "transformers' MtpModel and generate(use_mtp=True)", "floor": "the GEMM-only floor",
          "ksweep": "e2e at every K of --ks, batch 1, and their draft rounds (--full)",
          "kcompile": "the e2e Ks' cold compiles in fresh processes, smallest and largest (--full)",
-         "perrow": "e2e batches 4 and 8, per row vs lockstep, the rollback's cost (--full)",
+         "perrow": "e2e batches 4 and 8 at the smallest and largest K, per row vs lockstep, the rollback's "
+         "cost (--full)",
          "kround_choices": "the K = 8 round compiled as one graph, beside the cached packaged one (--full)"}
 # option: (--quick, default, --full)
 COUNTS = {"time_budget": (2.0, 6.0, 20.0), "recompile_steps": (3, 10, 20), "e2e_prompts": (1, 2, 4),
