@@ -160,12 +160,13 @@ def hf_pooled(rounds: list[list[int]], depths: int) -> dict:
 
 def interleaved(methods: dict, inputs: list[tuple], tag: str = "e2e") -> dict[str, dict]:
     """Each method's seconds over ``inputs`` (argument tuples) and its outputs in order, after one untimed warm-up
-    each (``warmup_s``); the methods take turns input by input (order rotating), so drift on a shared machine hits
-    them alike."""
+    each (``warmup_s``; last method first: a K > 1 round packaged on first use leaves the compiled drafters warmed
+    before it to compile again); the methods take turns input by input (order rotating), so drift on a shared
+    machine hits them alike."""
     figures = {name: {"seconds": 0.0, "outputs": []} for name in methods}
     names = list(methods)
     with torch.no_grad():
-        for name, fn in methods.items():
+        for name, fn in reversed(methods.items()):
             progress(f"{tag}: {label(name)}: warm-up")
             start = time.perf_counter()
             fn(*inputs[0])
