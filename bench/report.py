@@ -61,7 +61,7 @@ def _packaged(r: dict, name: str) -> float | None:
 
 def _startup(r: dict, name: str) -> float | None:
     """A figure of the startup section: its ``import_package_s`` (seconds), else one of its ratios."""
-    return _get(r, "startup", name) if name == "import_package_s" else _get(r, "startup", "ratios", name)
+    return _get(r, "startup", "first_draft", name) if name == "import_package_s" else _get(r, "startup", "ratios", name)
 
 
 def _perrow_batch4(r: dict) -> float | None:

@@ -79,8 +79,7 @@ def test_record_appends_an_entry(quick):
 def test_the_default_run_is_the_headline_and_full_runs_every_part():
     default, full = run.parse_args([]), run.parse_args(["--full"])
     assert default.record is None and default.json_path.parent == run.OUT_DIR
-    for part in ("kernels", "stock", "depths", "kcompile", "perrow", "packaged_latency", "startup_compile",
-                 "kround_choices"):
+    for part in ("kernels", "stock", "depths", "kcompile", "perrow", "packaged_latency", "kround_choices"):
         assert not default.runs(part) and full.runs(part), part
     assert all(default.runs(name) for name in ("compile", "latency", "e2e", "packaged", "peer", "floor"))
     assert not default.runs("quant", "tiny") and default.runs("quant", "small") and full.time_budget > 10
