@@ -48,19 +48,15 @@ class Packaged:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def cached_package(models: Models, batch: int, max_length: int) -> tuple[Path, dict] | None:
-    """The package an earlier default run left in the cache, if this torch, these passes and this model still
-    accept it (``Drafter.load_compiled`` checks them): (its directory, its build record)."""
-    directory = package_cache(models, batch, max_length)
+def cached_package(models: Models, batch: int, max_length: int) -> tuple[Path, dict | None]:
+    """Where a default run keeps its package, and the package's build record if this torch, these passes and this
+    model still accept it (``Drafter.load_compiled`` checks them)."""
+    directory = default_cache_root().parent / "bench-packages" / f"{models.checkpoint.name}-k{K}-b{batch}-l{max_length}"
     try:
         Drafter.load_compiled(directory, models.mtp)
         return directory, json.loads((directory / "bench.json").read_text())
     except Exception:  # noqa: BLE001 - missing, stale or damaged: the caller builds it again
-        return None
-
-
-def package_cache(models: Models, batch: int, max_length: int) -> Path:
-    return default_cache_root().parent / "bench-packages" / f"{models.checkpoint.name}-k{K}-b{batch}-l{max_length}"
+        return directory, None
 
 
 def build_package(models: Models, batch: int, max_length: int, directory: Path) -> dict:
@@ -111,11 +107,10 @@ def measure(ctx: Context) -> Packaged:
     batch = s.batch_sizes[0]
     record = Packaged(ctx.preset, K, batch, s.context, s.device, s.dtype, s.threads)
     work = Path(tempfile.mkdtemp(prefix="inkling-bench-packaged-"))
-    found = None if s.full else cached_package(models, batch, s.max_length)  # --full always builds afresh
-    package = found[0] if found else package_cache(models, batch, s.max_length) if not s.full else work / "p"
+    package, found = (work / "p", None) if s.full else cached_package(models, batch, s.max_length)  # --full: afresh
     base = {"checkpoint": str(models.checkpoint), "device": s.device, "dtype": s.dtype, "batch": batch, "k": K,
             "context": s.context, "max_length": s.max_length, "threads": s.threads, "package": str(package)}
-    parts = {"package": (lambda: {**found[1], "cached": str(package)}) if found else
+    parts = {"package": (lambda: {**found, "cached": str(package)}) if found else
              (lambda: build_package(models, batch, s.max_length, package)),
              "startup": lambda: {"package": run_probe("probes.first_draft", base, cache_dir=str(work / "inductor"),
                                                       timeout=s.probe_timeout)}}

@@ -5,6 +5,7 @@ inkling_compiled`` to their first packaged draft; the K-depth round's variants t
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import tempfile
 import time
@@ -51,17 +52,11 @@ def _medians(rows: list[dict]) -> dict:
             for key, value in rows[0].items()}
 
 
-class _Rounds:
-    """``drafter``'s round on one new row of ``rows`` per call, positions advancing from ``CONTEXT`` and starting over
+def _rounds(drafter: Drafter, rows):
+    """``drafter``'s round on one new row of ``rows`` per call, positions advancing from ``CONTEXT``, starting over
     before the cache's end."""
-
-    def __init__(self, drafter: Drafter, rows):
-        self.drafter, self.rows, self.at = drafter, rows, CONTEXT
-
-    def __call__(self):
-        self.at = CONTEXT if self.at >= self.rows[0].shape[1] else self.at
-        self.at += 1
-        return self.drafter.draft(*(t[:, self.at - 1:self.at] for t in self.rows), validate=False)
+    calls = itertools.cycle([[t[:, p:p + 1] for t in rows] for p in range(CONTEXT, rows[0].shape[1])])
+    return lambda: drafter.draft(*next(calls), validate=False)
 
 
 def _one_graph_round(drafter: Drafter) -> Drafter:
@@ -91,13 +86,13 @@ def _round_variants(mtp: InklingMTP, choices: bool, budget_s: float) -> tuple[di
         progress(f"startup: {name} (built and first run untimed)")
         start = time.perf_counter()
         with torch.no_grad():
-            variants[name] = _Rounds(build(), rows)
+            variants[name] = _rounds(build(), rows)
             variants[name]()
         build_s[name] = time.perf_counter() - start
     with torch.no_grad():
-        drafts = {name: [run().drafts.clone() for _ in range(400)] for name, run in variants.items()}
-    same = {name: all(map(torch.equal, d, drafts["round_k_steps"])) for name, d in drafts.items() if name != "round_1"}
-    eager = _Rounds(drafter(K, compile=False), rows)
+        drafts = {name: [variants[name]().drafts.clone() for _ in range(400)] for name in variants if name != "round_1"}
+    same = {name: all(map(torch.equal, d, drafts["round_k_steps"])) for name, d in drafts.items()}
+    eager = _rounds(drafter(K, compile=False), rows)
     variants["floor_k"] = GemmFloor(record_gemms(eager, mtp.parameters())[0], mtp.device)
     progress(f"startup: timing {', '.join(variants)}")
     return time_variants(variants, device=mtp.device, budget_s=budget_s), build_s, same
