@@ -106,17 +106,16 @@ def measure(ctx: Context) -> Packaged:
                          "weights here (--weights checkpoint)")
     batch = s.batch_sizes[0]
     record = Packaged(ctx.preset, K, batch, s.context, s.device, s.dtype, s.threads)
-    work = Path(tempfile.mkdtemp(prefix="inkling-bench-packaged-"))
-    package, found = (work / "p", None) if s.full else cached_package(models, batch, s.max_length)  # --full: afresh
-    base = {"checkpoint": str(models.checkpoint), "device": s.device, "dtype": s.dtype, "batch": batch, "k": K,
-            "context": s.context, "max_length": s.max_length, "threads": s.threads, "package": str(package)}
-    parts = {"package": (lambda: {**found, "cached": str(package)}) if found else
-             (lambda: build_package(models, batch, s.max_length, package)),
-             "startup": lambda: {"package": run_probe("probes.first_draft", base, cache_dir=str(work / "inductor"),
-                                                      timeout=s.probe_timeout)}}
-    if s.runs("packaged_latency"):
-        parts["latency"] = lambda: latency(models, batch, s.context, s.max_length, package, s.time_budget)
-    try:
+    with tempfile.TemporaryDirectory(prefix="inkling-bench-packaged-") as work:
+        package, found = (Path(work) / "p", None) if s.full else cached_package(models, batch, s.max_length)
+        base = {"checkpoint": str(models.checkpoint), "device": s.device, "dtype": s.dtype, "batch": batch, "k": K,
+                "context": s.context, "max_length": s.max_length, "threads": s.threads, "package": str(package)}
+        parts = {"package": (lambda: {**found, "cached": str(package)}) if found else  # --full builds it afresh
+                 (lambda: build_package(models, batch, s.max_length, package)),
+                 "startup": lambda: {"package": run_probe("probes.first_draft", base, cache_dir=f"{work}/inductor",
+                                                          timeout=s.probe_timeout)}}
+        if s.runs("packaged_latency"):
+            parts["latency"] = lambda: latency(models, batch, s.context, s.max_length, package, s.time_budget)
         for part, run in parts.items():
             progress(f"packaged: {ctx.preset} b{batch}: {part}")
             try:
@@ -126,8 +125,6 @@ def measure(ctx: Context) -> Packaged:
                 record.errors[part] = error_text(e)
                 if part == "package":
                     break
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     medians = {n: v.median_ms for n, v in (record.latency or {}).get("variants", {}).items()}
     record.ratios = {**ratios(medians, RATIOS),
                      **{f"startup_{how}_s": row["to_first_draft_s"] for how, row in record.startup.items()}}
