@@ -101,44 +101,45 @@ def _positive_ints(p: argparse.ArgumentParser, flag: str, value: str) -> tuple[i
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
-    def add(flag, help, **kw):
-        p.add_argument(flag, help=help, **kw)
-
-    add("--full", "every section and part, with longer timings (about 15 minutes on 2 cores; default: the headline "
-        "figures in about 3)", action="store_true")
-    add("--quick", "few iterations everywhere (a smoke test; rough numbers)", action="store_true")
-    add("--only", "run only these sections (each even where it is off by default): "
-        + "; ".join(f"{s.name} ({s.help})" for s in SECTIONS), default="", metavar="SECTIONS")
-    add("--skip", "sections or parts to leave out: the sections above; "
-        + "; ".join(f"{k} ({v})" for k, v in PARTS.items()), default="")
-    add("--with", "opt-in sections to run: " + "; ".join(f"{n} (off for {', '.join(sorted(v))})"
-                                                         for n, v in OPT_IN.items()), dest="with_", default="",
-        metavar="SECTIONS")
-    add("--config", "synthetic preset(s) for the step sections: tiny, small, full", dest="configs", default="tiny")
-    add("--device", "cpu or cuda", default="cpu")
-    add("--dtype", "default float32 on CPU, bfloat16 on CUDA", choices=("float32", "bfloat16", "float16"))
-    add("--batch-sizes", "comma-separated batch sizes of the latency section", default="1")
-    add("--context", "rows prefilled before the timed step (the draft cache holds 64 more)", type=int, default=64)
-    add("--weights", "checkpoint (shared by both libraries; tiny/small default) or random (full default)",
-        choices=("checkpoint", "random"))
-    add("--threads", "torch intra-op threads on CPU (default 1)", type=int)
-    add("--time-budget", "seconds of timing per latency run", type=float)
-    add("--recompile-steps", "steps at moving positions in the compile probe", type=int)
-    add("--probe-timeout", "seconds before a fresh-process probe is cut", type=float, default=600.0)
-    add("--e2e-prompts", "prompts per end-to-end method", type=int)
-    add("--e2e-tokens", "new tokens per prompt", type=int)
-    add("--e2e-target", "text: the text target, held-out prompts; synthetic: the self-distilled tiny8, random "
-        "prompts", choices=("text", "synthetic"), default="text")
-    add("--e2e-ks", "K values of the e2e section's compiled drafters", default="1,8")
-    add("--e2e-checkpoint", "a distilled raw-layout checkpoint for the end-to-end sections instead of building one "
-        "here", metavar="DIR", type=Path)
-    add("--distill-steps", "self-distillation steps of the synthetic target", type=int)
-    add("--ks", "K values of the K sweep (beyond the target's depths: left out)", default="1,2,4,8")
-    add("--k-seconds", "seconds of draft-round timing per K and window", type=float)
-    add("--tp-world-sizes", "gloo ranks of the tp section", default="1,2")
-    add("--json", "where the JSON goes (default: bench/out/)", dest="json_path", type=Path)
-    add("--record", "append an entry to bench/RESULTS.md (or FILE)", nargs="?", const=RESULTS_MD, type=Path,
-        metavar="FILE")
+    sections = "; ".join(f"{s.name} ({s.help})" for s in SECTIONS)
+    p.add_argument("--full", action="store_true", help="every section and part, with longer timings (about 15 "
+                   "minutes on 2 cores; default: the headline figures in about 3)")
+    p.add_argument("--quick", action="store_true", help="few iterations everywhere (a smoke test; rough numbers)")
+    p.add_argument("--only", default="", metavar="SECTIONS", help="run only these sections (each even where it is off "
+                   f"by default): {sections}")
+    p.add_argument("--skip", default="", help="sections or parts to leave out: the sections above; "
+                   + "; ".join(f"{k} ({v})" for k, v in PARTS.items()))
+    p.add_argument("--with", dest="with_", default="", metavar="SECTIONS",
+                   help="opt-in sections to run: " + "; ".join(f"{n} (off for {', '.join(sorted(v))})"
+                                                             for n, v in OPT_IN.items()))
+    p.add_argument("--config", dest="configs", default="tiny",
+                   help="synthetic preset(s) for the step sections: tiny, small, full")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes of the latency section")
+    p.add_argument("--context", type=int, default=64, help="rows prefilled before the timed step (the draft cache "
+                   "holds 64 more)")
+    p.add_argument("--weights", choices=("checkpoint", "random"), default=None,
+                   help="checkpoint (shared by both libraries; tiny/small default) or random (full default)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default 1)")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds of timing per latency run")
+    p.add_argument("--recompile-steps", type=int, default=None, help="steps at moving positions in the compile probe")
+    p.add_argument("--probe-timeout", type=float, default=600.0, help="seconds before a fresh-process probe is cut")
+    p.add_argument("--e2e-prompts", type=int, default=None, help="prompts per end-to-end method")
+    p.add_argument("--e2e-tokens", type=int, default=None, help="new tokens per prompt")
+    p.add_argument("--e2e-target", choices=("text", "synthetic"), default="text",
+                   help="text: the text target, held-out prompts; synthetic: the self-distilled tiny8, random prompts")
+    p.add_argument("--e2e-ks", default="1,8", help="K values of the e2e section's compiled drafters")
+    p.add_argument("--e2e-checkpoint", default=None, metavar="DIR", help="a distilled raw-layout checkpoint for the "
+                   "end-to-end sections instead of building one here")
+    p.add_argument("--distill-steps", type=int, default=None, help="self-distillation steps of the synthetic target")
+    p.add_argument("--ks", default="1,2,4,8", help="K values of the K sweep (beyond the target's depths: left out)")
+    p.add_argument("--k-seconds", type=float, default=None, help="seconds of draft-round timing per K and window")
+    p.add_argument("--tp-world-sizes", default="1,2", help="gloo ranks of the tp section")
+    p.add_argument("--json", dest="json_path", default=None, help="where the JSON goes (default: bench/out/)")
+    p.add_argument("--record", nargs="?", const=str(RESULTS_MD), default=None, metavar="FILE",
+                   help="append an entry to bench/RESULTS.md (or FILE)")
 
 
 def parse_args(argv=None) -> Settings:
@@ -164,7 +165,9 @@ def parse_args(argv=None) -> Settings:
     s.dtype = s.dtype or ("bfloat16" if s.device.startswith("cuda") else "float32")
     s.threads = s.threads or (1 if s.device == "cpu" else torch.get_num_threads())
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
-    s.json_path = s.json_path or OUT_DIR / f"bench-{stamp}.json"
+    s.e2e_checkpoint = Path(s.e2e_checkpoint) if s.e2e_checkpoint else None
+    s.json_path = Path(s.json_path) if s.json_path else OUT_DIR / f"bench-{stamp}.json"
+    s.record = Path(s.record) if s.record else None
     return s
 
 
@@ -172,17 +175,16 @@ def parse_args(argv=None) -> Settings:
 
 def run(argv=None) -> dict:
     """Parse ``argv``, run every section selected, print / write / record the results; returns the result."""
-    s, threads_before = parse_args(argv), torch.get_num_threads()
+    s, threads_before, start = parse_args(argv), torch.get_num_threads(), time.perf_counter()
     if s.device == "cpu":
         torch.set_num_threads(s.threads)
     try:
-        return _run(s, sys.argv[1:] if argv is None else list(argv))
+        return _run(s, sys.argv[1:] if argv is None else list(argv), start)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(s: Settings, given: list[str]) -> dict:
-    start = time.perf_counter()
+def _run(s: Settings, given: list[str], start: float) -> dict:
     result = {"schema": SCHEMA_ID, "command": shlex.join(["python", "-m", "bench", "run", *given]),
               "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "wall_s": 0.0, "partial": True,
               "completed": [], "machine": machine_info(s.threads), "settings": s.summary(), "configs": {},
@@ -294,7 +296,10 @@ def report_command(a: argparse.Namespace) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "run")  # `python -m bench --quick` is `python -m bench run --quick`
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     add_run_options(sub.add_parser("run", help="measure (the default sub-command; `make bench`)"))
@@ -305,14 +310,7 @@ def parser() -> argparse.ArgumentParser:
     probe = sub.add_parser("probe", help="internal: one measurement in this fresh process")
     probe.add_argument("function")
     probe.add_argument("args_json")
-    return p
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-        argv.insert(0, "run")  # `python -m bench --quick` is `python -m bench run --quick`
-    a = parser().parse_args(argv)
+    a = p.parse_args(argv)
     if a.command == "probe":
         return probe_main(a.function, a.args_json)
     if a.command == "report":

@@ -56,10 +56,8 @@ def generated_code():
 def compile_options(passes: bool, fresh: bool) -> dict:
     """Our pass manager or nothing in the post-grad slot; ``fresh``: FX graph cache off so the passes really run.
     Distinct options objects also give each variant its own Dynamo cache entry."""
-    options = {"post_grad_custom_post_pass": ic_passes.pass_manager() if passes else None}
-    if fresh:
-        options["fx_graph_cache"] = False
-    return {"options": options}
+    return {"options": {"post_grad_custom_post_pass": ic_passes.pass_manager() if passes else None,
+                        **({"fx_graph_cache": False} if fresh else {})}}
 
 
 def make_drafter(models: Models, batch: int, max_length: int, *, compile: bool, passes: bool = True,
