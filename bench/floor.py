@@ -22,6 +22,7 @@ MNK = {"mm": lambda a, b: (a.shape[0], b.shape[1], a.shape[1]),
        "mv": lambda a, b: (a.shape[0], 1, a.shape[1]), "dot": lambda a, b: (1, 1, a.shape[0])}
 MNK.update(addmm=MNK["mm"], baddbmm=MNK["bmm"], addmv=MNK["mv"])
 
+
 def _empty(t: torch.Tensor, device) -> torch.Tensor:
     """Uninitialised, of ``t``'s shape, stride and dtype."""
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
@@ -109,4 +110,7 @@ class GemmFloor:
             op(*args, **kwargs)
 
     def __call__(self) -> None:
-        self.graph.replay() if self.graph is not None else self._run()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._run()

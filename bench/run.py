@@ -199,7 +199,7 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
     progress(f"results go to {s.json_path} (rewritten after every section)")
     target = functools.cache(lambda: e2e.build_target(s))
     for section in SECTIONS:
-        if s.only and section.name not in s.only or section.name in s.skip:
+        if s.only and section.name not in s.only | s.with_ or section.name in s.skip:  # --with adds to --only
             continue
         if section.cpu_only and s.device != "cpu":
             progress(f"{section.name}: runs on CPU only; left out on this device")
