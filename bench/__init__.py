@@ -4,6 +4,12 @@ reached before anything heavy is imported (a start-up probe times those imports)
 
 import importlib
 import json
+import logging
+
+# transformers imports torchao (where installed) with its models; that import logs a load failure for each CUDA-only
+# extension library on a CPU build, and torch's pytree a deprecation for each of its enum registrations
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 PROBE_PREFIX = "BENCH_PROBE: "
 

@@ -52,18 +52,13 @@ class Stats:
         if not samples_ms:
             raise ValueError("no samples")
         s = sorted(samples_ms)
-
-        def q(p: float) -> float:
-            return s[min(len(s) - 1, round(p * (len(s) - 1)))]
-
-        return cls(statistics.median(s), q(0.10), q(0.90), s[0], len(s))
+        return cls(statistics.median(s), *(s[round(p * (len(s) - 1))] for p in (0.1, 0.9)), s[0], len(s))
 
 
 def samples_ms(fn: Callable[[], object], device: torch.device, seconds: float, timer=time.perf_counter) -> list[float]:
-    """Per-call milliseconds of ``fn`` over about ``seconds``: CUDA-event timings from ``do_bench`` on CUDA; on CPU
-    ``torch.utils.benchmark.Timer.timeit`` samples of about half a millisecond each (short enough that the median
-    skips what another process's time slice adds on a shared machine; ``timer``: ``time.thread_time`` for CPU
-    time)."""
+    """Per-call milliseconds of ``fn`` over about ``seconds``: ``do_bench``'s CUDA-event timings on CUDA; on CPU
+    ``Timer.timeit`` samples of about half a millisecond each, short enough that the median skips another process's
+    time slice (``timer=time.thread_time``: CPU time)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
@@ -81,11 +76,10 @@ def time_variants(variants: dict[str, Callable[[], object]], *, device: torch.de
                   rounds: int = 3) -> dict[str, Stats]:
     """Every variant timed in ``rounds`` rounds whose order rotates, so drift on a shared machine hits all alike."""
     names, found = list(variants), {name: [] for name in variants}
-    share = budget_s / (rounds * len(names))
     with torch.no_grad():
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                found[name] += samples_ms(variants[name], device, share)
+                found[name] += samples_ms(variants[name], device, budget_s / (rounds * len(names)))
     return {name: Stats.of(s) for name, s in found.items()}
 
 
@@ -150,9 +144,7 @@ def error_text(e: BaseException) -> str:
 # ------------------------------------------------------------------------------------------------ tables
 
 def ms(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.4f}" if x < 0.1 else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+    return fmt(x, ".4f" if x < 0.1 else ".3f" if x < 10 else ".1f") if x is not None else "-"
 
 
 def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
@@ -167,7 +159,7 @@ def yes(x: bool | None) -> str:
 def table(rows: list[list[str]], indent: str = "") -> list[str]:
     """Columns aligned: the first to the left, the others to the right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [(indent + "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])).rstrip()
+    return [(indent + "  ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:]))])).rstrip()
             for r in rows]
 
 
@@ -186,10 +178,11 @@ class Settings(argparse.Namespace):
     (:func:`bench.run.parse_args`): lists parsed, defaults of ``--quick`` / ``--full`` filled in."""
 
     def runs(self, part: str, preset: str | None = None) -> bool:
-        """Whether ``part`` (a section or a part of one) runs, for ``preset`` where that matters."""
+        """Whether ``part`` (a section or a part of one) runs, for ``preset`` where that matters: a section named
+        with --only or --with runs even where it is off by default."""
         if part in self.skip:
             return False
-        if part in self.with_:
+        if part in self.with_ | self.only:
             return True
         return (self.full or part not in FULL_ONLY) and preset not in OPT_IN.get(part, ())
 
@@ -199,7 +192,7 @@ class Settings(argparse.Namespace):
                 "threads": self.threads, "full": self.full, "quick": self.quick, "skip": sorted(self.skip),
                 "only": sorted(self.only), "opt_in": sorted(self.with_),
                 "e2e_target": str(self.e2e_checkpoint or self.e2e_target), "e2e_ks": list(self.e2e_ks),
-                "ks": list(self.ks)}
+                "ks": list(self.ks), "tp_world_sizes": list(self.tp_world_sizes)}
 
 
 @dataclass
