@@ -42,6 +42,7 @@ class Startup:
     rounds: dict[str, Stats]  # per variant, one new row per round, positions advancing, batch 1
     build_s: dict[str, float]  # a variant's build, prefill and first round
     same_drafts: dict[str, bool]  # each K-depth variant's drafts over the same rows equal the compiled steps'
+    round_cache: str  # where round_k's packaged round came from
     ratios: dict[str, float] = field(default_factory=dict)
 
 
@@ -105,15 +106,18 @@ def measure(ctx: Context) -> Startup:
     checkpoint = cached_checkpoint(PRESET)
     args = {"checkpoint": str(checkpoint), "device": "cpu", "dtype": "float32", "batch": 1, "k": K,
             "context": CONTEXT, "max_length": MAX_LENGTH, "threads": s.threads}
+    # --full builds the packaged round into an empty cache (its build time is a figure); the default run reads the
+    # disk cache a user's drafter fills, so only a machine's first run pays the build (minutes on 2 cores)
     with tempfile.TemporaryDirectory(prefix="inkling-bench-rounds-") as cache, \
-            mock.patch.dict("os.environ", {round_cache.ENV_VAR: cache}):
+            mock.patch.dict("os.environ", {round_cache.ENV_VAR: cache} if s.full else {}):
         rounds, build_s, same = _round_variants(InklingMTP.from_pretrained(checkpoint), s.runs("kround_choices"),
                                                 s.time_budget)
         first = []
         for i in range(processes):
             progress(f"startup: fresh process {i + 1}/{processes} to its first packaged draft")
             first.append(run_probe("probes.first_draft", args, cache_dir=None, timeout=s.probe_timeout))
-    record = Startup(PRESET, K, s.threads, torch.__version__, processes, _medians(first), rounds, build_s, same)
+    record = Startup(PRESET, K, s.threads, torch.__version__, processes, _medians(first), rounds, build_s, same,
+                     "an empty directory" if s.full else "the disk cache (a first run builds it)")
     med, fresh = {name: v.median_ms for name, v in rounds.items()}, record.first_draft
     record.ratios = {"first_draft_vs_import_torch": fresh["to_first_draft_s"] / fresh["import_torch_s"],
                      **ratios(med, RATIOS),
@@ -128,7 +132,8 @@ def lines(out: dict) -> list[str]:
              f"  import torch (spawn to done)         {fresh['import_torch_s']:7.2f} s",
              f"  import inkling_compiled (+ runtime)  {fresh['import_package_s']:7.3f} s on top (imported: "
              f"{heavy_text(fresh['package_imported'])})",
-             f"  spawn to the first packaged draft: {first_draft_text(fresh)}"]
+             f"  spawn to the first packaged draft: {first_draft_text(fresh)}",
+             f"  round_k's packaged round from {out['round_cache']}"]
     rows = [["  round (ms)", "median", "p10-p90", "built in"]]
     rows += [[f"    {name}", f"{v['median_ms']:.4f}", f"{v['p10_ms']:.4f}-{v['p90_ms']:.4f}",
               fmt(out["build_s"].get(name), ".1f", " s")] for name, v in out["rounds"].items()]

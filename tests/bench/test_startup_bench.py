@@ -23,7 +23,7 @@ def test_the_table_prints_every_figure_and_no_verdict():
              "to_first_draft_s": 2.4, "packaged": True, "imported": [], "dynamo_graphs": 0, "process_s": 2.5}
     rounds = {name: Stats(ms, ms, ms, ms, 3) for name, ms in
               {"round_1": 0.1, "round_k": 0.6, "round_k_steps": 1.8, "floor_k": 0.25}.items()}
-    result = Startup("tiny8", 8, 1, "2.13", 5, first, rounds, {"round_k": 100.0}, {"round_k": True},
+    result = Startup("tiny8", 8, 1, "2.13", 5, first, rounds, {"round_k": 100.0}, {"round_k": True}, "an empty one",
                      {"first_draft_vs_import_torch": 1.2, "round_k_vs_round_1": 6.0, "floor_k_vs_round_1": 2.5,
                       "overhead_per_depth_us": 44.0})
     text = "\n".join(lines(dataclasses.asdict(result)))
@@ -33,6 +33,7 @@ def test_the_table_prints_every_figure_and_no_verdict():
     assert ["round_k", "0.6000", "0.6000-0.6000", "100.0", "s"] in [line.split() for line in text.splitlines()]
     assert "round_k_vs_round_1                 6.00" in text and "round_k_vs_round_1's bound" in text
     assert "44.00  (what the round adds to its GEMMs per depth" in text
+    assert "round_k's packaged round from an empty one" in text
     assert "goal" not in text and "MISSED" not in text  # the verdicts are the goal table's (bench/report.py)
 
 
