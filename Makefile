@@ -26,9 +26,13 @@ setup: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m bench run $(ARGS)
 
-# Where CI is set (.ci/run sets it) the `slow` tests run too; elsewhere `make test` leaves them out
+# Where CI is set (.ci/run sets it) the `slow` tests run too; elsewhere `make test` leaves them out. TEST_WORKERS
+# pytest-xdist processes, a file each at a time (module fixtures built once): on CI's 2 cores the suite is mostly
+# one-threaded Python and compiles, so 2 workers keep both cores busy; TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+XDIST        := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(if $(CI),,-m "not gpu and not slow") $(ARGS)
+	$(PY) -m pytest -q $(XDIST) $(if $(CI),,-m "not gpu and not slow") $(ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
@@ -45,4 +49,4 @@ $(FLOOR_VENV)/.installed: pyproject.toml .ci/floor_constraints.py
 
 test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_PY) -m pip list --format=freeze | grep -iE "^($$(cut -d= -f1 $(FLOOR_VENV)/constraints.txt | paste -sd'|'))=="
-	$(FLOOR_PY) -m pytest -q -m "floor and not gpu" $(ARGS)
+	$(FLOOR_PY) -m pytest -q $(XDIST) -m "floor and not gpu" $(ARGS)

@@ -7,15 +7,15 @@ import sys
 import warnings
 
 if sys.argv[1:2] == ["probe"]:
-    from .harness import probe_main
+    from . import probe_main
 
     sys.exit(probe_main(*sys.argv[2:4]))
-print("[bench] starting: importing torch and transformers", file=sys.stderr, flush=True)
+if not {"-h", "--help"} & set(sys.argv[1:]):
+    print("[bench] starting: importing torch and transformers", file=sys.stderr, flush=True)
 for category in (DeprecationWarning, FutureWarning):  # our code issues none: they are the dependencies' notes
     warnings.filterwarnings("ignore", category=category)
 warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|torchao|transformers)(\.|$)")
-for name in ("torch._inductor", "torch.utils._pytree", "torchao"):  # torchao's optional kernels, its registrations
-    logging.getLogger(name).setLevel(logging.ERROR)
+logging.getLogger("torch._inductor").setLevel(logging.ERROR)  # torchao's and pytree's: bench/__init__.py
 from transformers.utils import logging as transformers_logging  # noqa: E402 - after the filters it installs
 
 transformers_logging.set_verbosity_error()

@@ -16,12 +16,22 @@ GEMM_OPS = {
     aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm", aten.baddbmm.default: "baddbmm",
     aten.mv.default: "mv", aten.addmv.default: "addmv", aten.dot.default: "dot",
 }
+# (M, N, K) of a 2-D GEMM, (batch, M, N, K) of a batched one, from its last two operands
+MNK = {"mm": lambda a, b: (a.shape[0], b.shape[1], a.shape[1]),
+       "bmm": lambda a, b: (a.shape[0], a.shape[1], b.shape[2], a.shape[2]),
+       "mv": lambda a, b: (a.shape[0], 1, a.shape[1]), "dot": lambda a, b: (1, 1, a.shape[0])}
+MNK.update(addmm=MNK["mm"], baddbmm=MNK["bmm"], addmv=MNK["mv"])
+
+
+def _empty(t: torch.Tensor, device) -> torch.Tensor:
+    """Uninitialised, of ``t``'s shape, stride and dtype."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
 
 @dataclass(frozen=True)
 class Gemm:
-    """One recorded call: the aten overload, its arguments (tensors as meta tensors of the same shape, stride and
-    dtype) and whether a parameter is among the operands."""
+    """One recorded call: the aten overload, its arguments (tensors as meta tensors of the same layout) and whether
+    a parameter is among the operands."""
 
     op: object  # torch._ops.OpOverload
     args: tuple
@@ -38,34 +48,21 @@ class Gemm:
 
     @property
     def mnk(self) -> tuple[int, ...]:
-        """(M, N, K) of a 2-D GEMM, (batch, M, N, K) of a batched one."""
-        a, b = self.operands[-2:]
-        if self.name in ("bmm", "baddbmm"):
-            return (a.shape[0], a.shape[1], b.shape[2], a.shape[2])
-        if self.name in ("mv", "addmv"):
-            return (a.shape[0], 1, a.shape[1])
-        if self.name == "dot":
-            return (1, 1, a.shape[0])
-        return (a.shape[0], b.shape[1], a.shape[1])
+        return MNK[self.name](*self.operands[-2:])
 
 
 class _Recorder(TorchDispatchMode):
     def __init__(self, param_ptrs: set[int]):
         super().__init__()
-        self.param_ptrs = param_ptrs
-        self.calls: list[Gemm] = []
+        self.param_ptrs, self.calls = param_ptrs, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in GEMM_OPS:
             tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
-            weight = any(t.untyped_storage().data_ptr() in self.param_ptrs for t in tensors)
-
-            def as_meta(t: torch.Tensor) -> torch.Tensor:
-                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-            self.calls.append(Gemm(func, tree_map_only(torch.Tensor, as_meta, args),
-                                   tree_map_only(torch.Tensor, as_meta, kwargs), weight))
+            meta = [tree_map_only(torch.Tensor, lambda t: _empty(t, "meta"), x) for x in (args, kwargs)]
+            self.calls.append(Gemm(func, *meta, any(t.untyped_storage().data_ptr() in self.param_ptrs
+                                                    for t in tensors)))
         return func(*args, **kwargs)
 
 
@@ -95,13 +92,12 @@ class GemmFloor:
         gen = torch.Generator(device=self.device).manual_seed(seed)
 
         def fresh(meta: torch.Tensor) -> torch.Tensor:
-            t = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=self.device)
+            t = _empty(meta, self.device)
             return t.normal_(generator=gen) if t.dtype.is_floating_point else t.zero_()
 
-        self.summary = summarize(gemms)
+        self.summary, self.graph = summarize(gemms), None
         self.calls = [(g.op, tree_map_only(torch.Tensor, fresh, g.args), tree_map_only(torch.Tensor, fresh, g.kwargs))
                       for g in gemms]
-        self.graph = None
         if self.device.type == "cuda" and self.calls:
             self._run()  # warm-up (cuBLAS handles, workspaces) before capture
             torch.cuda.synchronize(self.device)

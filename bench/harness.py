@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import resource
@@ -20,8 +19,9 @@ from pathlib import Path
 import torch
 from torch.utils import benchmark
 
+from . import PROBE_PREFIX
+
 REPO_DIR = Path(__file__).resolve().parent.parent
-PROBE_PREFIX = "BENCH_PROBE: "
 _T0 = time.perf_counter()
 
 
@@ -52,18 +52,13 @@ class Stats:
         if not samples_ms:
             raise ValueError("no samples")
         s = sorted(samples_ms)
-
-        def q(p: float) -> float:
-            return s[min(len(s) - 1, round(p * (len(s) - 1)))]
-
-        return cls(statistics.median(s), q(0.10), q(0.90), s[0], len(s))
+        return cls(statistics.median(s), *(s[round(p * (len(s) - 1))] for p in (0.1, 0.9)), s[0], len(s))
 
 
 def samples_ms(fn: Callable[[], object], device: torch.device, seconds: float, timer=time.perf_counter) -> list[float]:
-    """Per-call milliseconds of ``fn`` over about ``seconds``: CUDA-event timings from ``do_bench`` on CUDA; on CPU
-    ``torch.utils.benchmark.Timer.timeit`` samples of about half a millisecond each (short enough that the median
-    skips what another process's time slice adds on a shared machine; ``timer``: ``time.thread_time`` for CPU
-    time)."""
+    """Per-call milliseconds of ``fn`` over about ``seconds``: ``do_bench``'s CUDA-event timings on CUDA; on CPU
+    ``Timer.timeit`` samples of about half a millisecond each, short enough that the median skips another process's
+    time slice (``timer=time.thread_time``: CPU time)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
@@ -81,11 +76,10 @@ def time_variants(variants: dict[str, Callable[[], object]], *, device: torch.de
                   rounds: int = 3) -> dict[str, Stats]:
     """Every variant timed in ``rounds`` rounds whose order rotates, so drift on a shared machine hits all alike."""
     names, found = list(variants), {name: [] for name in variants}
-    share = budget_s / (rounds * len(names))
     with torch.no_grad():
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                found[name] += samples_ms(variants[name], device, share)
+                found[name] += samples_ms(variants[name], device, budget_s / (rounds * len(names)))
     return {name: Stats.of(s) for name, s in found.items()}
 
 
@@ -107,7 +101,8 @@ def random_rows(mtp, batch: int, start: int, rows: int, gen: torch.Generator):
 
 def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: float) -> dict:
     """``bench.<function>(args)`` in a fresh interpreter (its own Inductor / Triton cache dir when given); the dict
-    it returns, with ``process_s`` (spawn to exit) added. ``args["spawned_at"]`` is the spawn's wall clock."""
+    it returns, with ``process_s`` (spawn to exit) added. ``args["spawned_at"]`` is the spawn's wall clock. The child
+    (:func:`bench.probe_main`) imports nothing heavy before ``function`` runs."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_DIR), os.environ.get("PYTHONPATH")]))}
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     if cache_dir is not None:
@@ -121,14 +116,6 @@ def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: floa
         tail = (done.stderr or done.stdout).strip().splitlines()[-8:]
         raise RuntimeError(f"probe {function} failed (exit {done.returncode}): " + " | ".join(tail))
     return {**json.loads(found[-1][len(PROBE_PREFIX):]), "process_s": time.perf_counter() - start}
-
-
-def probe_main(function: str, args_json: str) -> int:
-    """The child's side of :func:`run_probe`: ``module.function`` under ``bench``."""
-    module, name = function.rsplit(".", 1)
-    result = getattr(importlib.import_module(f"bench.{module}"), name)(json.loads(args_json))
-    print(PROBE_PREFIX + json.dumps(result), flush=True)
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -157,9 +144,7 @@ def error_text(e: BaseException) -> str:
 # ------------------------------------------------------------------------------------------------ tables
 
 def ms(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.4f}" if x < 0.1 else f"{x:.3f}" if x < 10 else f"{x:.1f}"
+    return fmt(x, ".4f" if x < 0.1 else ".3f" if x < 10 else ".1f") if x is not None else "-"
 
 
 def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
@@ -174,7 +159,7 @@ def yes(x: bool | None) -> str:
 def table(rows: list[list[str]], indent: str = "") -> list[str]:
     """Columns aligned: the first to the left, the others to the right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [(indent + "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])).rstrip()
+    return [(indent + "  ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:]))])).rstrip()
             for r in rows]
 
 
@@ -182,7 +167,7 @@ def table(rows: list[list[str]], indent: str = "") -> list[str]:
 
 # Parts of sections the default (headline) run leaves out; ``--full`` runs them
 FULL_ONLY = frozenset({"kernels", "stock", "ksweep", "tp", "multimodal", "kcompile", "perrow", "packaged_latency",
-                       "startup_compile", "e2e_eager", "target_loop", "kround_choices"})
+                       "e2e_eager", "target_loop", "kround_choices"})
 # Sections a preset runs only when asked with --with (on tiny: one compile per scheme, for a step too small to
 # be memory-bound)
 OPT_IN = {"quant": frozenset({"tiny"})}
@@ -193,10 +178,11 @@ class Settings(argparse.Namespace):
     (:func:`bench.run.parse_args`): lists parsed, defaults of ``--quick`` / ``--full`` filled in."""
 
     def runs(self, part: str, preset: str | None = None) -> bool:
-        """Whether ``part`` (a section or a part of one) runs, for ``preset`` where that matters."""
+        """Whether ``part`` (a section or a part of one) runs, for ``preset`` where that matters: a section named
+        with --only or --with runs even where it is off by default."""
         if part in self.skip:
             return False
-        if part in self.with_:
+        if part in self.with_ | self.only:
             return True
         return (self.full or part not in FULL_ONLY) and preset not in OPT_IN.get(part, ())
 
@@ -206,7 +192,7 @@ class Settings(argparse.Namespace):
                 "threads": self.threads, "full": self.full, "quick": self.quick, "skip": sorted(self.skip),
                 "only": sorted(self.only), "opt_in": sorted(self.with_),
                 "e2e_target": str(self.e2e_checkpoint or self.e2e_target), "e2e_ks": list(self.e2e_ks),
-                "ks": list(self.ks)}
+                "ks": list(self.ks), "tp_world_sizes": list(self.tp_world_sizes)}
 
 
 @dataclass

@@ -16,11 +16,9 @@ from inkling_compiled import InklingMTP, MTPConfig
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_mtp, load_hf_target, preset_config, randomize_
 from inkling_compiled.training.distill import distill
 
-FULL_OVERRIDES = dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2)
-
 
 def preset_overrides(preset: str) -> dict:
-    return dict(FULL_OVERRIDES) if preset == "full" else {}
+    return dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2) if preset == "full" else {}
 
 
 @dataclass
@@ -39,8 +37,7 @@ class Models:
         return self.mtp.config
 
     def describe(self) -> dict:
-        c = self.mtp.config
-        g = c.depths[0]
+        c, g = self.mtp.config, self.mtp.config.depths[0]
         return {"preset": self.preset, "weights": self.weights, "checkpoint": str(self.checkpoint or ""),
                 "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "logits_vocab_size": c.logits_vocab_size,
@@ -59,16 +56,13 @@ def _random_models(preset: str, device: torch.device, dtype: torch.dtype, peer: 
         mtp = InklingMTP(config)
     mtp = mtp.to_empty(device=device).to(dtype)
     randomize_(mtp, seed, mup=config.mup)  # the synthetic checkpoints' scales
-    mtp.eval().requires_grad_(False)
     target = hf_mtp = None
     if peer:
         torch.manual_seed(seed)
         with torch.device(device):
-            target = InklingForConditionalGeneration._from_config(hf_config, dtype=dtype).eval()
-            hf_mtp = MtpModel(target, hf_config.text_config.num_mtp_layers).to(dtype).eval()
-        target.requires_grad_(False)
-        hf_mtp.requires_grad_(False)
-    return Models(preset, "random", device, dtype, mtp, target, hf_mtp, None)
+            target = InklingForConditionalGeneration._from_config(hf_config, dtype=dtype).eval().requires_grad_(False)
+            hf_mtp = MtpModel(target, hf_config.text_config.num_mtp_layers).to(dtype).eval().requires_grad_(False)
+    return Models(preset, "random", device, dtype, mtp.eval().requires_grad_(False), target, hf_mtp)
 
 
 def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str | None = None, peer: bool = True,

@@ -1,21 +1,6 @@
-"""Image prompts and the ``generate(custom_generate=...)`` entry (``multimodal`` section, ``--full``; issue 24):
-what feeding the drafter the target's merged rows buys, and what the wrapper costs.
-
-On the end-to-end target (by default the text target: trained on Python source, its 8 MTP depths self-distilled; its
-vision tower is random) each prompt is a held-out line with an image of random patches ``text_after`` tokens before
-its end. Reported:
-
-* acceptance per position over those prompts with the drafter's prefill fed the target's merged rows (ours,
-  docs/model.md §7) and fed the placeholder ids' embeddings (what drafting from ``input_ids`` alone gives, as
-  transformers' ``generate(use_mtp=True)`` does), with the mean accepted lengths, and whether both equal the
-  target's greedy ``generate`` (lossless either way);
-* one image prompt through ``target.generate(..., custom_generate=custom_generate, drafter=...)`` and through
-  ``speculative_generate`` with the same ``pixel_values``, timed as pairs of back-to-back calls, the order swapped
-  every pair, for about ``budget_s`` (on CPU in thread CPU time, one intra-op thread, so that a shared machine's
-  other processes cost neither call anything): tokens/s of each (median call) and the wrapper's cost, the median
-  over the pairs of generate's time / speculative_generate's - 1 (a pair shares the machine's state of the moment;
-  the goal: < 2 %).
-"""
+"""The ``multimodal`` section (``--full``; issue 24): image prompts, acceptance with the drafter's prefill fed the
+target's merged rows vs the placeholder ids, and the ``generate(custom_generate=...)`` wrapper's cost (what and why:
+docs/protocol.md §6.11)."""
 
 from __future__ import annotations
 
@@ -77,22 +62,21 @@ def image_prompts(config, text: list[torch.Tensor], patches: int, text_after: in
 
 
 def paired_seconds(calls: dict, device: torch.device, budget_s: float, min_pairs: int = 5) -> dict[str, list[float]]:
-    """Seconds of each of two calls, run back to back in pairs (the order swapped every pair) for about
-    ``budget_s``, after one untimed call of each: thread CPU time on CPU, wall time (synchronized) on CUDA."""
+    """Seconds of each of two calls run back to back in pairs, the order swapped every pair, for about ``budget_s``
+    after one untimed call of each: thread CPU time on CPU, synchronized wall time on CUDA."""
     timer = time.thread_time if device.type == "cpu" else time.perf_counter
-    found = {name: [] for name in calls}
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    found, pairs = {name: [] for name in calls}, 0
     with torch.no_grad():
         for call in calls.values():
             call()
-        end, pairs = time.perf_counter() + budget_s, 0
+        end = time.perf_counter() + budget_s
         while time.perf_counter() < end or pairs < min_pairs:
             for name in list(calls)[::-1 if pairs % 2 else 1]:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                sync()
                 start = timer()
                 calls[name]()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                sync()
                 found[name].append(timer() - start)
             pairs += 1
     return found
@@ -136,12 +120,9 @@ def run_multimodal(checkpoint, text: list[torch.Tensor], *, k: int = 8, new_toke
 
 def measure(ctx: Context) -> Multimodal:
     s, target = ctx.settings, ctx.e2e_target()
-    count = 4
-    if target.prompts is not None:
-        text = list(target.prompts[:count])
-    else:
-        gen = torch.Generator().manual_seed(0)
-        text = [torch.randint(8, 256, (24,), generator=gen) for _ in range(count)]
+    gen = torch.Generator().manual_seed(0)
+    text = list(target.prompts[:4]) if target.prompts is not None else [
+        torch.randint(8, 256, (24,), generator=gen) for _ in range(4)]
     return run_multimodal(target.checkpoint, text, k=max(s.e2e_ks), new_tokens=min(32, s.e2e_tokens),
                           compile=s.runs("compiled"), budget_s=s.time_budget)
 

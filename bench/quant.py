@@ -5,7 +5,6 @@ included), against the fp32 step's GEMM floor in one timed run: the ``quant`` se
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,9 +19,7 @@ from .models import Models, load_models
 
 def _torchao(config_name: str):
     """A ``quantize_`` scheme: a fresh instance of the named ``torchao.quantization`` config (the optional extra)."""
-    def make():
-        return getattr(torchao_schemes.import_quantization(), config_name)()
-    return make
+    return lambda: getattr(torchao_schemes.import_quantization(), config_name)()
 
 
 # scheme -> (dtype, quantize_ scheme (a name, a torchao config factory) or None, quantize_head)
@@ -53,13 +50,6 @@ def _models(preset: str, device: torch.device, dtype: torch.dtype, weights: str 
     return models
 
 
-def _step_bytes(models: Models, batch: int, context: int) -> int:
-    """``bench.step.step_bytes``, with the int8 head's bytes in place of a bf16 head's."""
-    parts = S.step_bytes(models, batch, context)
-    head = models.mtp.quantized_head
-    return parts["total"] - parts["lm_head"] + (head.nbytes if head is not None else parts["lm_head"])
-
-
 def _drafter(models: Models, batch: int, max_length: int) -> Drafter:
     # FX graph and autotune caches off: every scheme compiles and autotunes from scratch (compiled C++ kernels are
     # still cached on disk)
@@ -68,17 +58,14 @@ def _drafter(models: Models, batch: int, max_length: int) -> Drafter:
                    num_speculative_tokens=1)
 
 
-def _scheme(models: Models, batch: int, context: int, max_length: int) -> tuple:
-    """One scheme's step (prefilled) and its bytes and first call (compile included)."""
-    inputs = S.make_inputs(models, batch, context)
-    drafter = _drafter(models, batch, max_length)
-    S.prefill(models, drafter, inputs)
-    step = S.step_fn(drafter, inputs)
-    start = time.perf_counter()
-    step()
-    if models.device.type == "cuda":
-        torch.cuda.synchronize(models.device)
-    return step, {"step_bytes": _step_bytes(models, batch, context), "compile_s": time.perf_counter() - start}
+def _scheme(models: Models, inputs: S.StepInputs, max_length: int) -> tuple:
+    """One scheme's step (prefilled), its bytes (an int8 head's in place of a bf16 one's) and first call (its
+    compile included)."""
+    batch, context = inputs.ids.shape[0], inputs.prefill_ids.shape[1]
+    step = S.prefill(models, _drafter(models, batch, max_length), inputs)
+    parts, head = S.step_bytes(models, batch, context), models.mtp.quantized_head
+    nbytes = parts["total"] - parts["lm_head"] + (head.nbytes if head is not None else parts["lm_head"])
+    return step, {"step_bytes": nbytes, "compile_s": S.first_call_s(step, models.device)}
 
 
 @dataclass
@@ -103,7 +90,7 @@ def measure(ctx: Context) -> Quant:
         progress(f"{tag}: compiling {name}")
         try:
             models = fp32 if name == "fp32" else _models(ctx.preset, device, dtype, s.weights, scheme, quantize_head)
-            steps[name], built[name] = _scheme(models, record.batch, s.context, s.max_length)
+            steps[name], built[name] = _scheme(models, S.make_inputs(models, record.batch, s.context), s.max_length)
         except Exception as e:  # noqa: BLE001 - one scheme failing must not lose the others
             progress(f"{tag}: {name} FAILED: {type(e).__name__}: {e}")
             record.errors[name] = error_text(e)[:1000]
@@ -117,10 +104,9 @@ def measure(ctx: Context) -> Quant:
 
 def lines(q: dict) -> list[str]:
     rows = [[f"quantized step, batch {q['batch']} (ms)", "median", "p10-p90", "x fp32 floor", "MB read", "compile s"]]
-    for name, sch in q["schemes"].items():
-        st = sch["step"]
-        rows.append([name, ms(st["median_ms"]), f"{ms(st['p10_ms'])}-{ms(st['p90_ms'])}",
-                     f"{sch['x_fp32_floor']:.2f}x", f"{sch['step_bytes'] / 1e6:.2f}", fmt(sch["compile_s"], ".1f")])
-    return table(rows) + [f"  x fp32 floor: times the fp32 step's GEMMs alone ({ms(q['fp32_floor_ms'])} ms), same "
-                          "run; int8 schemes compile with the drafter's fast Inductor options"] + [
-        f"  {name}: FAILED: {msg}" for name, msg in q["errors"].items()]
+    rows += [[name, ms(sch["step"]["median_ms"]), f"{ms(sch['step']['p10_ms'])}-{ms(sch['step']['p90_ms'])}",
+              f"{sch['x_fp32_floor']:.2f}x", f"{sch['step_bytes'] / 1e6:.2f}", fmt(sch["compile_s"], ".1f")]
+             for name, sch in q["schemes"].items()]
+    return [*table(rows), f"  x fp32 floor: times the fp32 step's GEMMs alone ({ms(q['fp32_floor_ms'])} ms), same "
+            "run; int8 schemes compile with the drafter's fast Inductor options",
+            *(f"  {name}: FAILED: {msg}" for name, msg in q["errors"].items())]

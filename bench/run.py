@@ -1,6 +1,5 @@
-"""``python -m bench``: the runner. Sub-commands ``run`` (the default: measure, print, write the JSON and the report
-image), ``report RESULT.json`` (the table and the image of a saved run) and ``probe`` (internal: one measurement in
-a fresh process). Sections are registered in :data:`SECTIONS`; see bench/README.md."""
+"""``python -m bench``: sub-commands ``run`` (the default: measure, print, write the JSON and the report image),
+``report RESULT.json`` (a saved run's table and image) and ``probe`` (internal); sections: :data:`SECTIONS`."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import torch
 import transformers
 
 from . import compile_time, e2e, multimodal, packaged, plots, quant, report, startup, step, tp
-from .harness import OPT_IN, Context, Settings, error_text, plain, probe_main, progress, write_json
+from .harness import OPT_IN, Context, Settings, error_text, plain, progress, write_json
 from .models import load_models
 
 SCHEMA_ID = "inkling-bench/3"
@@ -73,17 +72,13 @@ COUNTS = {"time_budget": (2.0, 6.0, 20.0), "recompile_steps": (3, 10, 20), "e2e_
           "e2e_tokens": (16, 64, 64), "k_seconds": (0.3, 1.0, 2.0)}
 
 
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.exists() else [])
-             if line.startswith("model name")]
-    return names[0] if names else platform.processor() or platform.machine()
-
-
 def machine_info(threads: int) -> dict:
+    info = Path("/proc/cpuinfo")
+    cpus = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.exists() else [])
+            if line.startswith("model name")]
     triton = importlib.util.find_spec("triton") and importlib.metadata.version("triton")  # optional: GPU kernels
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu_name(), "cores": os.cpu_count() or 1, "gpu": gpu, "torch": torch.__version__,
+    return {"cpu": cpus[0] if cpus else platform.processor() or platform.machine(), "cores": os.cpu_count() or 1,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(), "threads": threads,
             "platform": platform.platform(), "triton": triton or None}
 
@@ -112,7 +107,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full", action="store_true", help="every section and part, with longer timings (about 15 "
                    "minutes on 2 cores; default: the headline figures in about 3)")
     p.add_argument("--quick", action="store_true", help="few iterations everywhere (a smoke test; rough numbers)")
-    p.add_argument("--only", default="", metavar="SECTIONS", help=f"run only these sections: {sections}")
+    p.add_argument("--only", default="", metavar="SECTIONS", help="run only these sections (each even where it is off "
+                   f"by default): {sections}")
     p.add_argument("--skip", default="", help="sections or parts to leave out: the sections above; "
                    + "; ".join(f"{k} ({v})" for k, v in PARTS.items()))
     p.add_argument("--with", dest="with_", default="", metavar="SECTIONS",
@@ -124,8 +120,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes of the latency section")
-    p.add_argument("--context", type=int, default=64, help="rows prefilled before the timed step")
-    p.add_argument("--max-length", type=int, default=None, help="draft cache capacity (default context + 64)")
+    p.add_argument("--context", type=int, default=64, help="rows prefilled before the timed step (the draft cache "
+                   "holds 64 more)")
     p.add_argument("--weights", choices=("checkpoint", "random"), default=None,
                    help="checkpoint (shared by both libraries; tiny/small default) or random (full default)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default 1)")
@@ -142,6 +138,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distill-steps", type=int, default=None, help="self-distillation steps of the synthetic target")
     p.add_argument("--ks", default="1,2,4,8", help="K values of the K sweep (beyond the target's depths: left out)")
     p.add_argument("--k-seconds", type=float, default=None, help="seconds of draft-round timing per K and window")
+    p.add_argument("--tp-world-sizes", default="1,2", help="gloo ranks of the tp section")
     p.add_argument("--json", dest="json_path", default=None, help="where the JSON goes (default: bench/out/)")
     p.add_argument("--record", nargs="?", const=str(RESULTS_MD), default=None, metavar="FILE",
                    help="append an entry to bench/RESULTS.md (or FILE)")
@@ -159,20 +156,18 @@ def parse_args(argv=None) -> Settings:
         p.error(f"section(s) both skipped and asked for with --with: {sorted(s.with_ & s.skip)}")
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False")
-    s.max_length = s.max_length or s.context + 64
-    if s.max_length <= s.context + 1:
-        p.error(f"--max-length must exceed --context + 1, got {s.max_length} with --context {s.context}")
     level = 0 if s.quick else 2 if s.full else 1
     for name, counts in COUNTS.items():
         setattr(s, name, counts[level] if getattr(s, name) is None else getattr(s, name))
-    for flag in ("--batch-sizes", "--e2e-ks", "--ks"):
+    for flag in ("--batch-sizes", "--e2e-ks", "--ks", "--tp-world-sizes"):
         name = flag[2:].replace("-", "_")
         setattr(s, name, _positive_ints(p, flag, getattr(s, name)))
     s.configs = tuple(c.strip() for c in s.configs.split(",") if c.strip())
+    s.max_length = s.context + 64
     s.dtype = s.dtype or ("bfloat16" if s.device.startswith("cuda") else "float32")
     s.threads = s.threads or (1 if s.device == "cpu" else torch.get_num_threads())
-    s.e2e_checkpoint = Path(s.e2e_checkpoint) if s.e2e_checkpoint else None
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
+    s.e2e_checkpoint = Path(s.e2e_checkpoint) if s.e2e_checkpoint else None
     s.json_path = Path(s.json_path) if s.json_path else OUT_DIR / f"bench-{stamp}.json"
     s.record = Path(s.record) if s.record else None
     return s
@@ -182,19 +177,17 @@ def parse_args(argv=None) -> Settings:
 
 def run(argv=None) -> dict:
     """Parse ``argv``, run every section selected, print / write / record the results; returns the result."""
-    s = parse_args(argv)
-    threads_before = torch.get_num_threads()
+    s, threads_before, start = parse_args(argv), torch.get_num_threads(), time.perf_counter()
     if s.device == "cpu":
         torch.set_num_threads(s.threads)
     try:
-        return _run(s, sys.argv[1:] if argv is None else list(argv))
+        return _run(s, sys.argv[1:] if argv is None else list(argv), start)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(s: Settings, given: list[str]) -> dict:
-    start = time.perf_counter()
-    result = {"schema": SCHEMA_ID, "command": "python -m bench run" + (" " + shlex.join(given) if given else ""),
+def _run(s: Settings, given: list[str], start: float) -> dict:
+    result = {"schema": SCHEMA_ID, "command": shlex.join(["python", "-m", "bench", "run", *given]),
               "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "wall_s": 0.0, "partial": True,
               "completed": [], "machine": machine_info(s.threads), "settings": s.summary(), "configs": {},
               "goals": []}
@@ -208,7 +201,7 @@ def _run(s: Settings, given: list[str]) -> dict:
     progress(f"results go to {s.json_path} (rewritten after every section)")
     target = functools.cache(lambda: e2e.build_target(s))
     for section in SECTIONS:
-        if s.only and section.name not in s.only or section.name in s.skip:
+        if s.only and section.name not in s.only | s.with_ or section.name in s.skip:  # --with adds to --only
             continue
         if section.cpu_only and s.device != "cpu":
             progress(f"{section.name}: runs on CPU only; left out on this device")
@@ -236,16 +229,16 @@ def _models(preset: str, device: str, dtype: str, weights: str | None, peer: boo
 def _section(s: Settings, section: Section, preset: str | None, result: dict, target, save) -> None:
     """One section (for one preset) measured and saved; a failure is recorded and the run goes on."""
     home = result["configs"].setdefault(preset, {}) if preset else result
+    models = functools.partial(_models, preset, s.device, s.dtype, s.weights, s.runs("peer"))
 
     def publish(record) -> None:
         home[section.name] = plain(record)
         save()
 
     if preset and "model" not in home:
-        home["model"] = _models(preset, s.device, s.dtype, s.weights, s.runs("peer")).describe()
-    ctx = Context(s, preset, lambda: _models(preset, s.device, s.dtype, s.weights, s.runs("peer")), target, publish)
+        home["model"] = models().describe()
     try:
-        home[section.name] = plain(section.module.measure(ctx))
+        home[section.name] = plain(section.module.measure(Context(s, preset, models, target, publish)))
     except Exception as e:  # noqa: BLE001 - keep the other sections' figures
         progress(f"{section.name}{' ' + preset if preset else ''}: FAILED: {type(e).__name__}: {e}")
         home[section.name] = {"error": error_text(e)}
@@ -257,25 +250,20 @@ def format_table(result: dict) -> str:
     lines = [f"inkling_compiled benchmark | {m['cpu']} ({m['cores']} cores{', ' + m['gpu'] if m.get('gpu') else ''}) "
              f"| torch {m['torch']} | transformers {m['transformers']} | {s['threads']} thread(s)"]
     by_name = {section.name: section for section in SECTIONS}
+
+    def sections(records: dict) -> list[str]:
+        return [line for name, record in records.items() if name in by_name for line in ["", *(
+            [f"{name}: FAILED: {record['error']}"] if list(record) == ["error"] else by_name[name].module.lines(
+                record))]]
+
     for preset, cfg in result["configs"].items():
-        d = cfg["model"]["depth0"]
-        lines += ["", f"== {preset}: H {cfg['model']['hidden_size']}, V {cfg['model']['vocab_size']}, depth 0 "
-                  f"{d['heads']}x{d['head_dim']} heads ({d['kv_heads']} kv, "
-                  f"{'sliding W ' + str(d['window']) if d['sliding'] else 'full attention'}) | "
-                  f"{cfg['model']['weights']} weights | {s['device']} {s['dtype']} | context {s['context']} =="]
-        lines += [line for name, record in cfg.items() if name in by_name
-                  for line in ["", *_section_lines(by_name[name], record)]]
-    lines += [line for name, record in result.items() if name in by_name
-              for line in ["", *_section_lines(by_name[name], record)]]
-    lines += ["", *report.headline_lines(result), "", *report.goal_lines(result["goals"]),
-              f"\nwall time {result['wall_s']:.0f} s"]
-    return "\n".join(lines)
-
-
-def _section_lines(section: Section, record: dict) -> list[str]:
-    if "error" in record and len(record) == 1:
-        return [f"{section.name}: FAILED: {record['error']}"]
-    return section.module.lines(record)
+        model, d = cfg["model"], cfg["model"]["depth0"]
+        attention = f"sliding W {d['window']}" if d["sliding"] else "full attention"
+        lines += ["", f"== {preset}: H {model['hidden_size']}, V {model['vocab_size']}, depth 0 {d['heads']}x"
+                  f"{d['head_dim']} heads ({d['kv_heads']} kv, {attention}) | {model['weights']} weights | "
+                  f"{s['device']} {s['dtype']} | context {s['context']} ==", *sections(cfg)]
+    return "\n".join([*lines, *sections(result), "", *report.headline_lines(result), "",
+                      *report.goal_lines(result["goals"]), f"\nwall time {result['wall_s']:.0f} s"])
 
 
 # ------------------------------------------------------------------------------------------------ sub-commands
@@ -288,8 +276,7 @@ def load_result(path: Path) -> dict:
         raise SystemExit(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SystemExit(f"{path}: not a readable JSON file ({e})") from None
-    schema = result.get("schema") if isinstance(result, dict) else None
-    if schema != SCHEMA_ID:
+    if (schema := result.get("schema") if isinstance(result, dict) else None) != SCHEMA_ID:
         raise SystemExit(f"{path} is not a `python -m bench run` result of schema {SCHEMA_ID} (its schema: {schema!r})")
     return result
 
@@ -320,13 +307,15 @@ def main(argv=None) -> int:
     add_run_options(sub.add_parser("run", help="measure (the default sub-command; `make bench`)"))
     shown = sub.add_parser("report", help="the table and the report image of a saved result")
     shown.add_argument("result", type=Path, help="a JSON a run wrote (bench/out/bench-*.json or --json)")
-    shown.add_argument("--out", type=Path, default=None, help="where the PNG goes (default: beside the JSON)")
+    shown.add_argument("--out", type=Path, help="where the PNG goes (default: beside the JSON)")
     shown.add_argument("--no-image", action="store_true", help="only the table")
     probe = sub.add_parser("probe", help="internal: one measurement in this fresh process")
     probe.add_argument("function")
     probe.add_argument("args_json")
     a = p.parse_args(argv)
     if a.command == "probe":
+        from . import probe_main  # `python -m bench probe` reaches it before this module (bench/__main__.py)
+
         return probe_main(a.function, a.args_json)
     if a.command == "report":
         return report_command(a)

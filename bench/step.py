@@ -21,15 +21,10 @@ from .floor import GemmFloor, record_gemms
 from .harness import Context, Stats, error_text, fmt, ms, progress, random_rows, ratios, table, time_variants
 from .models import Models
 
-LABELS = {
-    "eager": "ours eager",
-    "compiled_nopasses": "ours compiled (stock Inductor)",
-    "compiled": "ours compiled (+ our passes)",
-    "compiled_call": "  same, compiled graph call only",
-    "cudagraph": "ours compiled + CUDA graph",
-    "hf_eager": "transformers MtpModel (eager)",
-    "gemm_floor": "GEMM floor (the step's GEMMs alone)",
-}
+LABELS = {"eager": "ours eager", "compiled_nopasses": "ours compiled (stock Inductor)",
+          "compiled": "ours compiled (+ our passes)", "compiled_call": "  same, compiled graph call only",
+          "cudagraph": "ours compiled + CUDA graph", "hf_eager": "transformers MtpModel (eager)",
+          "gemm_floor": "GEMM floor (the step's GEMMs alone)"}
 
 
 @dataclass
@@ -61,10 +56,8 @@ def generated_code():
 def compile_options(passes: bool, fresh: bool) -> dict:
     """Our pass manager or nothing in the post-grad slot; ``fresh``: FX graph cache off so the passes really run.
     Distinct options objects also give each variant its own Dynamo cache entry."""
-    options = {"post_grad_custom_post_pass": ic_passes.pass_manager() if passes else None}
-    if fresh:
-        options["fx_graph_cache"] = False
-    return {"options": options}
+    return {"options": {"post_grad_custom_post_pass": ic_passes.pass_manager() if passes else None,
+                        **({"fx_graph_cache": False} if fresh else {})}}
 
 
 def make_drafter(models: Models, batch: int, max_length: int, *, compile: bool, passes: bool = True,
@@ -73,43 +66,40 @@ def make_drafter(models: Models, batch: int, max_length: int, *, compile: bool, 
                    compile_options=compile_options(passes, fresh) if compile else None, num_speculative_tokens=1)
 
 
-def prefill(models: Models, drafter: Drafter, inputs: StepInputs) -> None:
-    """Eager depth-0 prefill straight into the drafter's cache (no compile of the prefill shape)."""
+def prefill(models: Models, drafter: Drafter, inputs: StepInputs):
+    """Eager depth-0 prefill straight into the drafter's cache (no compile of the prefill shape); returns the
+    drafter's step on ``inputs`` (:func:`step_fn`)."""
     with torch.no_grad():
         models.mtp(inputs.prefill_ids, inputs.prefill_positions, inputs.prefill_hidden, cache=drafter.cache,
                    depth=0)
+    return step_fn(drafter, inputs)
 
 
 def step_fn(drafter: Drafter, inputs: StepInputs):
-    def step():
-        return drafter.draft(inputs.ids, inputs.positions, inputs.hidden, validate=False).tokens
-    return step
+    return lambda: drafter.draft(inputs.ids, inputs.positions, inputs.hidden, validate=False).tokens
 
 
-@dataclass
-class CompiledVariant:
-    drafter: Drafter
-    first_call_s: float
-    kernels: dict
-    matches: dict
+def first_call_s(step, device: torch.device) -> float:
+    """Seconds of ``step()`` (a first call: its compile included), synchronized on CUDA."""
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def build_compiled(models: Models, inputs: StepInputs, max_length: int, *, passes: bool, cuda_graphs: bool = False,
-                   fresh: bool = True) -> CompiledVariant:
-    """Compile and run the first step, collecting the generated code's kernels and our passes' matches."""
+                   fresh: bool = True) -> tuple[Drafter, float, dict, dict]:
+    """Compile and run the first step: (the drafter, that call's seconds, the generated code's kernels, our passes'
+    matches)."""
     drafter = make_drafter(models, inputs.ids.shape[0], max_length, compile=True, passes=passes,
                            cuda_graphs=cuda_graphs, fresh=fresh)
-    prefill(models, drafter, inputs)
-    before = ic_passes.match_counts()
+    step, before = prefill(models, drafter, inputs), ic_passes.match_counts()
     with generated_code() as code:
-        start = time.perf_counter()
-        step_fn(drafter, inputs)()
-        if models.device.type == "cuda":
-            torch.cuda.synchronize()
-        first = time.perf_counter() - start
+        first = first_call_s(step, models.device)
     after = ic_passes.match_counts()
     kernels = {**kernel_stats(code).to_dict(), "graphs": len(code)}  # of the wrapper(s), docs/compile.md §6
-    return CompiledVariant(drafter, first, kernels, {k: after[k] - before.get(k, 0) for k in after})
+    return drafter, first, kernels, {k: after[k] - before.get(k, 0) for k in after}
 
 
 class HFStep:
@@ -207,28 +197,27 @@ def _batch(ctx: Context, models: Models, record: Latency, entry: StepLatency, co
     s, tag = ctx.settings, f"{models.preset} b{entry.batch}"
     inputs = make_inputs(models, entry.batch, s.context)
     eager = make_drafter(models, entry.batch, s.max_length, compile=False)
-    prefill(models, eager, inputs)
-    variants = {"eager": step_fn(eager, inputs)}
+    variants = {"eager": prefill(models, eager, inputs)}
 
     def attempt(name, build):
-        """``build()`` (kept as the variant ``name``), or None with its error recorded."""
+        """``build()`` kept as the variant ``name``, or None with its error recorded."""
         try:
             variants[name] = build()
-            return variants[name]
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             progress(f"{tag}: {name} FAILED: {type(e).__name__}: {e}")
             entry.errors[name] = error_text(e)[:1000]
-            return None
+        return variants.get(name)
 
     def compiled(name, passes, graphs=False):
         progress(f"{tag}: compiling {name}")
         built = attempt(name, lambda: build_compiled(models, inputs, s.max_length, passes=passes, cuda_graphs=graphs,
                                                      fresh=kernels is not None))
         if built is not None:  # the variant is its step
-            variants[name], entry.first_call_s[name] = step_fn(built.drafter, inputs), built.first_call_s
+            drafter, entry.first_call_s[name], found, matched = built
+            variants[name] = step_fn(drafter, inputs)
             if kernels is not None and not graphs:
                 side = "passes" if passes else "no_passes"
-                kernels[side], kernels[f"matches_{side}"] = built.kernels, built.matches
+                kernels[side], kernels[f"matches_{side}"] = found, matched
         return built
 
     if s.runs("compiled"):
@@ -236,7 +225,7 @@ def _batch(ctx: Context, models: Models, record: Latency, entry: StepLatency, co
             compiled("compiled_nopasses", False)
         built = compiled("compiled", True)
         if built is not None and models.device.type == "cpu":
-            variants["compiled_call"] = built.drafter.static_step(*inputs.positions.shape)
+            variants["compiled_call"] = built[0].static_step(*inputs.positions.shape)
     if models.hf_mtp is not None and s.runs("peer"):
         attempt("hf_eager", lambda: HFStep(models, inputs))
     if s.runs("floor") and attempt("gemm_floor", lambda: gemm_floor(models, eager, inputs)):
@@ -257,13 +246,12 @@ def _time(entry: StepLatency, variants: dict, device: torch.device, budget: floa
     progress(f"{tag}: timing {', '.join(variants)} ({budget:.0f} s)")
     entry.variants = time_variants(variants, device=device, budget_s=budget)
     med = {k: st.median_ms for k, st in entry.variants.items()}
-    ours = [k for k in med if k not in ("hf_eager", "gemm_floor")]
-    entry.ratios = {
-        "speedup_vs_peer": ratios(med, {k: ("hf_eager", k) for k in med if k != "gemm_floor"}),
-        "speedup_vs_eager": ratios(med, {k: ("eager", k) for k in med if k != "gemm_floor"}),
-        "x_floor": ratios(med, {k: (k, "gemm_floor") for k in med if k != "gemm_floor"})}
+    timed = [k for k in med if k != "gemm_floor"]
+    entry.ratios = {"speedup_vs_peer": ratios(med, {k: ("hf_eager", k) for k in timed}),
+                    "speedup_vs_eager": ratios(med, {k: ("eager", k) for k in timed}),
+                    "x_floor": ratios(med, {k: (k, "gemm_floor") for k in timed})}
     if copy_bw is not None:
-        floor_ms = entry.step_bytes["total"] / copy_bw * 1e3
+        ours, floor_ms = [k for k in timed if k != "hf_eager"], entry.step_bytes["total"] / copy_bw * 1e3
         entry.bandwidth = {"copy_gbps": copy_bw / 1e9, "step_bytes": entry.step_bytes["total"],
                            "hbm_floor_ms": floor_ms, "achieved_fraction": {k: floor_ms / med[k] for k in ours},
                            "x_hbm_floor": {k: med[k] / floor_ms for k in ours}}
@@ -272,7 +260,7 @@ def _time(entry: StepLatency, variants: dict, device: torch.device, budget: floa
 def lines(latency: dict) -> list[str]:
     out = _kernel_lines(latency["kernels"]) if latency.get("kernels") else []
     for lat in latency["batches"].values():
-        out += [""] + _latency_lines(lat)
+        out += ["", *_latency_lines(lat)]
     return out
 
 
@@ -280,40 +268,31 @@ def _latency_lines(lat: dict) -> list[str]:
     v, r, bw = lat["variants"], lat["ratios"], lat.get("bandwidth")
     rows = [[f"latency, batch {lat['batch']} (ms)", "median", "p10-p90", "vs peer", "vs eager", "x floor"]
             + (["HBM frac"] if bw else [])]
-    for name, label in LABELS.items():
-        if name in v:
-            st = v[name]
-            label += f" [{lat['gemm_calls']} GEMMs]" if name == "gemm_floor" else ""
-            rows.append([label, ms(st["median_ms"]), f"{ms(st['p10_ms'])}-{ms(st['p90_ms'])}",
-                         *(fmt(r.get(key, {}).get(name), ".2f", "x") for key in ("speedup_vs_peer", "speedup_vs_eager",
-                                                                                 "x_floor"))]
-                        + ([fmt(bw["achieved_fraction"].get(name), ".0%")] if bw else []))
-    out = table(rows)
-    out.append("  vs peer / vs eager: times faster than transformers' step / our eager step; x floor: times the "
-               "GEMM-only floor")
-    if "compiled_call" in v:
-        out.append("  'graph call only' = the compiled function on the Drafter's static buffers, without "
-                   "Drafter.draft's copies / clones")
-    out += [f"  {name}: FAILED: {msg}" for name, msg in lat["errors"].items()]
-    if bw:
-        out.append(f"  step must read {bw['step_bytes'] / 1e6:.1f} MB; copy bandwidth {bw['copy_gbps']:.0f} GB/s -> "
-                   f"HBM floor {ms(bw['hbm_floor_ms'])} ms")
-    return out
+    rows += [[label + (f" [{lat['gemm_calls']} GEMMs]" if name == "gemm_floor" else ""), ms(v[name]["median_ms"]),
+              f"{ms(v[name]['p10_ms'])}-{ms(v[name]['p90_ms'])}",
+              *(fmt(r.get(key, {}).get(name), ".2f", "x") for key in ("speedup_vs_peer", "speedup_vs_eager",
+                                                                      "x_floor")),
+              *([fmt(bw["achieved_fraction"].get(name), ".0%")] if bw else [])] for name, label in LABELS.items()
+             if name in v]
+    return [*table(rows), "  vs peer / vs eager: times faster than transformers' step / our eager step; x floor: "
+            "times the GEMM-only floor",
+            *(["  'graph call only' = the compiled function on the Drafter's static buffers, without Drafter.draft's "
+               "copies / clones"] if "compiled_call" in v else []),
+            *(f"  {name}: FAILED: {msg}" for name, msg in lat["errors"].items()),
+            *([f"  step must read {bw['step_bytes'] / 1e6:.1f} MB; copy bandwidth {bw['copy_gbps']:.0f} GB/s -> "
+               f"HBM floor {ms(bw['hbm_floor_ms'])} ms"] if bw else [])]
 
 
 def _kernel_lines(k: dict) -> list[str]:
-    stock, ours = k.get("no_passes") or {}, k.get("passes") or {}
+    sides = (k.get("no_passes") or {}, k.get("passes") or {})
 
-    def matches(m):
-        return ", ".join(f"{n} {c}" for n, c in m.items() if c) or "none"
+    def matches(side, key):
+        return (", ".join(f"{n} {c}" for n, c in (k.get(key) or {}).items() if c) or "none") if side else "-"
 
     rows = [["generated code of the compiled step", "stock", "+ passes"]]
-    for label, key in (("kernels (cpp_fused_ / triton)", "kernels"), ("CPU loop nests (passes over memory)",
-                       "loop_nests"), ("kernel launches", "kernel_launches"),
-                       ("launches (kernels + extern)", "launches")):
-        rows.append([label, str(stock.get(key, "-")), str(ours.get(key, "-"))])
-    rows.append(["extern calls", *(f"{d['extern_calls']} ({', '.join(d['extern_ops'])})" if d else "-"
-                                   for d in (stock, ours))])
-    rows.append(["pass matches", matches(k.get("matches_no_passes") or {}) if stock else "-",
-                 matches(k.get("matches_passes") or {}) if ours else "-"])
+    rows += [[label, *(str(d.get(key, "-")) for d in sides)] for label, key in (
+        ("kernels (cpp_fused_ / triton)", "kernels"), ("CPU loop nests (passes over memory)", "loop_nests"),
+        ("kernel launches", "kernel_launches"), ("launches (kernels + extern)", "launches"))]
+    rows += [["extern calls", *(f"{d['extern_calls']} ({', '.join(d['extern_ops'])})" if d else "-" for d in sides)],
+             ["pass matches", matches(sides[0], "matches_no_passes"), matches(sides[1], "matches_passes")]]
     return table(rows)

@@ -1,25 +1,9 @@
-"""The ``tp`` section: the tensor-parallel draft head (docs/model.md §11) on CPU gloo ranks, and the communication
-of the schemes it replaces at full size.
-
-Measured, per world size T (1 = the unsharded model; each rank one process with one intra-op thread, gloo over
-loopback): the parameter bytes one rank holds (the replicated embedding aside), the bytes handed to collectives in
-one greedy and one sampled decode round (counted at the dispatcher, the payload of each ``_c10d_functional`` call;
-a ring all-reduce moves 2 (T - 1) / T of it per rank) and the round's latency (``Drafter.draft`` of one new row,
-eager, median of ``rounds``). Computed, for the full Inkling config at T = 8 and batch 1: our greedy round (two
-[B, R, H] all-reduces per depth, R rows in the window, and the head's [T, B, 2] fp32 pairs) beside transformers'
-scheme (its LM head split along the hidden dim: a [B, V] all-reduce per depth) and SGLang's (a [B, V] all-gather of
-the full-vocab logits per depth), and the per-rank parameter bytes at T = 2, 4, 8.
-
-The ``tp`` section of ``python -m bench`` (CPU only; ``--quick`` runs fewer rounds), or on its own:
-
-    python -m bench.tp [--preset small] [--world-sizes 1,2] [--rounds 20] [--json out.json]
-"""
+"""The ``tp`` section (CPU only): the tensor-parallel draft head on gloo ranks against the unsharded model, and the
+full-size communication beside transformers' and SGLang's schemes (what is measured and why: docs/model.md §11.4)."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -99,10 +83,10 @@ def parameter_bytes(model: InklingMTP) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_weight")
 
 
-def _rounds(drafter: Drafter, config, batch: int, rounds: int, temperature: float):
-    """A prefill of 8 rows, then ``rounds`` decode rounds of one new row: (drafts, per-round seconds, bytes and
-    collectives of the last round)."""
-    gen = torch.Generator().manual_seed(0)
+def _rounds(model: InklingMTP, batch: int, rounds: int, temperature: float):
+    """A prefill of 8 rows, then ``rounds`` decode rounds of one new row (eager drafter): (drafts, median seconds per
+    round, the bytes and collectives of the last round)."""
+    gen, drafter, config = torch.Generator().manual_seed(0), Drafter(model, batch, 64, compile=False), model.config
     ids = torch.randint(0, config.logits_vocab_size, (batch, 8 + rounds), generator=gen)
     hidden = torch.randn(batch, 8 + rounds, config.hidden_size, generator=gen)
     positions = torch.arange(8 + rounds).expand(batch, -1)
@@ -111,29 +95,21 @@ def _rounds(drafter: Drafter, config, batch: int, rounds: int, temperature: floa
     with torch.no_grad():
         drafts.append(drafter.draft(ids[:, :8], positions[:, :8], hidden[:, :8], **sampling).drafts)
         for t in range(8, 8 + rounds):
-            window = slice(t, t + 1)
-            start = time.perf_counter()
-            if t == 8 + rounds - 1:
-                with counter:
-                    result = drafter.draft(ids[:, window], positions[:, window], hidden[:, window], **sampling)
-            else:
-                result = drafter.draft(ids[:, window], positions[:, window], hidden[:, window], **sampling)
+            start, row = time.perf_counter(), slice(t, t + 1)
+            with counter if t == 8 + rounds - 1 else contextlib.nullcontext():
+                drafts.append(drafter.draft(ids[:, row], positions[:, row], hidden[:, row], **sampling).drafts)
             seconds.append(time.perf_counter() - start)
-            drafts.append(result.drafts)
     return torch.cat(drafts, 1), statistics.median(seconds), counter
 
 
 def _measure_rank(mesh, path, batch: int, rounds: int, sharded: bool) -> dict:
     model = InklingMTP.from_pretrained(path, device_mesh=mesh if sharded else None)
     reference = InklingMTP.from_pretrained(path) if sharded else model
-    out = {"parameter_bytes": parameter_bytes(model), "unsharded_bytes": parameter_bytes(reference)}
+    out = {"parameter_bytes": parameter_bytes(model), "unsharded_bytes": parameter_bytes(reference),
+           "reference": _rounds(reference, batch, rounds, 0.0)[0] if sharded else None}
     for temperature, name in ((0.0, "greedy"), (0.8, "sampled")):
-        drafts, seconds, counter = _rounds(Drafter(model, batch, 64, compile=False), model.config, batch, rounds,
-                                           temperature)
+        drafts, seconds, counter = _rounds(model, batch, rounds, temperature)
         out[name] = (drafts, seconds, counter.bytes, counter.calls)
-    if sharded:
-        out["reference"] = _rounds(Drafter(reference, batch, 64, compile=False), reference.config, batch, rounds,
-                                   0.0)[0]
     return out
 
 
@@ -142,11 +118,11 @@ def measure_runs(path, world_sizes, batch: int, rounds: int) -> list[RankRun]:
     for world in world_sizes:
         ranks = run_ranks(_measure_rank, world, path, batch, rounds, world > 1, timeout=600)
         first = ranks[0]
-        same = all(torch.equal(r["greedy"][0], first.get("reference", first["greedy"][0])) for r in ranks)
-        runs.append(RankRun(world, first["parameter_bytes"], first["unsharded_bytes"], first["greedy"][2],
-                            first["greedy"][3], first["sampled"][2], first["sampled"][3],
-                            max(r["greedy"][1] for r in ranks) * 1e3, max(r["sampled"][1] for r in ranks) * 1e3,
-                            same))
+        reference = first["greedy"][0] if first["reference"] is None else first["reference"]
+        runs.append(RankRun(world, first["parameter_bytes"], first["unsharded_bytes"], *first["greedy"][2:],
+                            *first["sampled"][2:], max(r["greedy"][1] for r in ranks) * 1e3,
+                            max(r["sampled"][1] for r in ranks) * 1e3,
+                            all(torch.equal(r["greedy"][0], reference) for r in ranks)))
     return runs
 
 
@@ -157,24 +133,19 @@ def full_size(world: int = FULL_WORLD, batch: int = 1) -> FullSize:
     h, v, k = config.hidden_size, config.vocab_size, config.num_depths
     rows = k  # a K-depth decode round after a rejection runs every depth over K rows
     head = world * batch * 2 * 4
-    per_rank = {}
     with torch.device("meta"):
         unsharded = parameter_bytes(InklingMTP(config).to(torch.bfloat16))
-        for t in (2, 4, 8):
-            per_rank[str(t)] = parameter_bytes(InklingMTP(config, TensorParallel("", 0, t)).to(torch.bfloat16))
+        per_rank = {str(t): parameter_bytes(InklingMTP(config, TensorParallel("", 0, t)).to(torch.bfloat16))
+                    for t in (2, 4, 8)}
     return FullSize(world, k, rows, k * (2 * batch * rows * h * BF16 + head), head, batch * v * BF16,
                     k * batch * v * BF16, k * batch * v * BF16, batch * v * BF16 / head, per_rank, unsharded)
 
 
-def measure_tp(preset: str = PRESET, world_sizes=(1, 2), batch: int = 1, rounds: int = ROUNDS) -> TPResult:
-    path = cached_checkpoint(preset)
-    runs = measure_runs(path, world_sizes, batch, rounds)
-    return TPResult(preset, batch, InklingMTP.from_pretrained(path).config.num_depths, runs, full_size())
-
-
 def measure(ctx) -> TPResult:
-    """The section: the small preset at T = 1, 2."""
-    return measure_tp(rounds=QUICK_ROUNDS if ctx.settings.quick else ROUNDS)
+    """The small preset at ``--tp-world-sizes`` (default T = 1, 2), batch 1."""
+    path = cached_checkpoint(PRESET)
+    runs = measure_runs(path, ctx.settings.tp_world_sizes, 1, QUICK_ROUNDS if ctx.settings.quick else ROUNDS)
+    return TPResult(PRESET, 1, InklingMTP.from_pretrained(path).config.num_depths, runs, full_size())
 
 
 def lines(record: dict) -> list[str]:
@@ -188,31 +159,12 @@ def lines(record: dict) -> list[str]:
                    f"{r['sampled_round_ms']:.2f} ms / {r['sampled_round_bytes']} B, drafts == unsharded: "
                    f"{r['same_drafts']}")
     f = record["full"]
-    out.append(f"  full config, T={f['world_size']}, B=1, bf16, K={f['depths']} (window {f['window_rows']} rows):")
-    out.append(f"    ours greedy {f['ours_greedy_bytes']:>12,} B/round (head {f['ours_head_bytes']} B/depth); "
-               f"sampled adds {f['ours_sampled_extra_bytes']:,} B/depth")
-    out.append(f"    transformers {f['transformers_bytes']:>12,} B/round ([B, V] all-reduce per depth); SGLang "
-               f"{f['sglang_bytes']:,} B/round ([B, V] all-gather per depth); head share {f['head_ratio']:.0f}x less")
     shares = ", ".join(f"T={t}: {b / (f['unsharded_bytes'] / int(t)):.3f}" for t, b in f["parameter_bytes"].items())
-    out.append(f"    per-rank parameter bytes / (unsharded / T), embedding aside: {shares}")
-    return out
+    return out + [
+        f"  full config, T={f['world_size']}, B=1, bf16, K={f['depths']} (window {f['window_rows']} rows):",
+        f"    ours greedy {f['ours_greedy_bytes']:>12,} B/round (head {f['ours_head_bytes']} B/depth); "
+        f"sampled adds {f['ours_sampled_extra_bytes']:,} B/depth",
+        f"    transformers {f['transformers_bytes']:>12,} B/round ([B, V] all-reduce per depth); SGLang "
+        f"{f['sglang_bytes']:,} B/round ([B, V] all-gather per depth); head share {f['head_ratio']:.0f}x less",
+        f"    per-rank parameter bytes / (unsharded / T), embedding aside: {shares}"]
 
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.tp", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default=PRESET)
-    parser.add_argument("--world-sizes", default="1,2")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
-    result = measure_tp(args.preset, tuple(int(w) for w in args.world_sizes.split(",")), args.batch, args.rounds)
-    record = json.loads(json.dumps(dataclasses.asdict(result)))
-    print("\n".join(lines(record)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()

@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The parsed arguments, every one checked (paths and device included) before anything is loaded."""
     parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", help="raw Inkling checkpoint directory (default: tiny synthetic checkpoint)")
-    parser.add_argument("--preset", default="tiny",
+    parser.add_argument("--preset", default=None,
                         help="synthetic preset used when no --checkpoint is given (default tiny; tiny8 has 8 depths)")
     parser.add_argument("--distilled", action="store_true",
                         help="with the default checkpoint: self-distil its MTP first (cached; ~1 min the first time)")
@@ -92,8 +92,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(str(e) if str(e).startswith(flag) else f"{flag}: {e}")
     if args.check and args.temperature > 0:
         parser.error("--check compares against greedy generate(); use it with --temperature 0")
-    if args.text_target and (args.checkpoint or args.distilled):
-        parser.error("--text-target is its own checkpoint; leave out --checkpoint / --distilled")
+    given = [flag for flag, value in (("--checkpoint", args.checkpoint), ("--text-target", args.text_target)) if value]
+    if len(given) > 1:
+        parser.error("--checkpoint and --text-target each name the checkpoint: give one of them")
+    for flag, value in (("--preset", args.preset), ("--distilled", args.distilled)):
+        if value and given:
+            parser.error(f"{flag} chooses the synthetic checkpoint; {given[0]} names another: leave out {flag}")
+    args.preset = args.preset or "tiny"
     if args.image < 0 or args.audio < 0:
         parser.error("--image and --audio take a count >= 0")
     if args.text_target and (args.image or args.audio):

@@ -5,10 +5,15 @@ import os
 import pytest
 import torch
 
-from inkling_compiled.runtime import round_cache
-from inkling_compiled.testing.synthetic import cached_checkpoint
-from inkling_compiled.training import distill
-from tests.helpers import QUICK_DISTILL
+from inkling_compiled.model.torchao_schemes import quiet_import
+
+with quiet_import():  # transformers imports torchao with its model classes: its import-time lines are noise here
+    from transformers import InklingForConditionalGeneration  # noqa: F401
+
+from inkling_compiled.runtime import round_cache  # noqa: E402
+from inkling_compiled.testing.synthetic import cached_checkpoint  # noqa: E402
+from inkling_compiled.training import distill  # noqa: E402
+from tests.helpers import QUICK_DISTILL  # noqa: E402
 
 
 def pytest_configure(config):

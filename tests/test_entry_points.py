@@ -19,7 +19,7 @@ from inkling_compiled import InklingMTP
 from inkling_compiled import generate as cli
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.runtime.speculative import speculative_generate
-from inkling_compiled.testing.synthetic import load_hf_target
+from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 from inkling_compiled.training import text_target
 from tests.helpers import draft_rows, random_mtp
 
@@ -276,6 +276,33 @@ def test_cli_refuses_an_unusable_device(device, capsys, no_loading):
                                         (["--seed", str(2**70)], "--seed")])
 def test_cli_refuses_bad_numbers_before_loading(argv, name, capsys, no_loading):
     assert name in _cli_error(argv, capsys)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--text-target", "--preset", "tiny8"], "--preset"),
+                                        (["--text-target", "--distilled"], "--distilled"),
+                                        (["--checkpoint", "{ckpt}", "--preset", "tiny8"], "--preset"),
+                                        (["--checkpoint", "{ckpt}", "--distilled"], "--distilled"),
+                                        (["--checkpoint", "{ckpt}", "--text-target"], "--text-target")])
+def test_cli_refuses_two_choices_of_checkpoint(argv, flag, tiny_checkpoint, capsys, no_loading):
+    """--preset / --distilled choose the synthetic checkpoint: beside another choice they were silently ignored."""
+    line = _cli_error([a.format(ckpt=tiny_checkpoint) for a in argv], capsys)
+    assert flag in line
+
+
+def test_the_greedy_reference_without_eos_runs_past_the_eos_id(tiny_checkpoint):
+    """generate() fills a None EOS from the model's generation config: "no EOS" must not stop the reference there."""
+    target = load_hf_target(tiny_checkpoint)
+    eos = target.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+
+    def always_eos(module, inputs, logits):
+        logits[..., eos] += 1e4
+
+    target.lm_head.register_forward_hook(always_eos)  # every greedy token is the EOS id
+    ids = torch.full((1, 4), 5)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids),
+                          generation_config=greedy_generation_config(target, 6))
+    assert out[0, 4:].tolist() == [eos] * 6
 
 
 def test_cli_reports_a_library_refusal_in_one_line(tiny_checkpoint, capsys):

@@ -144,3 +144,15 @@ def test_building_the_manager_first_installs_that_manager_and_its_uuid_is_the_ve
             "from torch._inductor import config; print(json.dumps([v == m.uuid(), "
             "config.post_grad_custom_post_pass is m]))")
     assert _fresh(code) == [True, True]
+
+
+def test_loading_a_transformers_target_prints_no_torchao_import_lines(tiny_checkpoint):
+    """transformers imports torchao (when installed) with its model classes; torchao then logs a load failure per
+    CUDA-only extension on a CPU build and torch a pytree deprecation: noise our loaders hold back."""
+    code = ("import json; from inkling_compiled.testing.synthetic import load_hf_target; "
+            f"load_hf_target({str(tiny_checkpoint)!r}); print(json.dumps(0))")
+    environment = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torchao" not in done.stderr and "_pytree" not in done.stderr, done.stderr

@@ -15,6 +15,7 @@ autograd's cache cannot hash it, which is filtered.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -27,19 +28,28 @@ INSTALL_HINT = "pip install 'inkling_compiled[torchao]'"
 _QUIET_LOGGERS = ("torchao", "torch.utils._pytree")  # the import-time lines named in the module doc
 
 
-def import_quantization():
-    """``torchao.quantization``, imported without its log lines; ImportError naming the extra without torchao."""
+@contextlib.contextmanager
+def quiet_import():
+    """torchao's import-time log lines held back inside the block. transformers imports torchao (when installed)
+    with its model classes, so the loaders of transformers targets import them in this block too."""
     loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        import torchao.quantization
-    except ImportError as e:
-        raise ImportError(f"torchao quantization schemes need torchao: {INSTALL_HINT}") from e
+        yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+def import_quantization():
+    """``torchao.quantization``, imported without its log lines; ImportError naming the extra without torchao."""
+    try:
+        with quiet_import():
+            import torchao.quantization
+    except ImportError as e:
+        raise ImportError(f"torchao quantization schemes need torchao: {INSTALL_HINT}") from e
     warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
     return torchao.quantization
 

@@ -244,15 +244,18 @@ def _package(step: Callable, inputs: Sequence[torch.Tensor], state: nn.Module, p
     from ..passes import pass_manager
 
     start = time.perf_counter()
-    with torch.no_grad():
-        program = torch.export.export(_Exported(step, state), tuple(inputs), strict=True)
-    baked = sorted(program.constants)
-    if baked:  # a tensor the step reads that is not in the state would be frozen into the package
-        raise PackageError(f"the step reads tensors outside its state (the model's, its cache's): {baked}")
-    before = pass_manager().match_counts()
-    with functorch_config.patch(enable_autograd_cache=False):
-        aoti_compile_and_package(program, package_path=str(path),
-                                 inductor_configs={**inductor_options, **AOTI_OPTIONS})
+    with warnings.catch_warnings():
+        # torch's packaging deep-copies its own tree specs, and copying a LeafSpec trips torch's deprecation of it
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
+        with torch.no_grad():
+            program = torch.export.export(_Exported(step, state), tuple(inputs), strict=True)
+        baked = sorted(program.constants)
+        if baked:  # a tensor the step reads that is not in the state would be frozen into the package
+            raise PackageError(f"the step reads tensors outside its state (the model's, its cache's): {baked}")
+        before = pass_manager().match_counts()
+        with functorch_config.patch(enable_autograd_cache=False):
+            aoti_compile_and_package(program, package_path=str(path),
+                                     inductor_configs={**inductor_options, **AOTI_OPTIONS})
     after = pass_manager().match_counts()
     signature = program.graph_signature
     read = {*signature.parameters, *signature.buffers}

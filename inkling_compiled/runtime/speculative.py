@@ -16,7 +16,7 @@ from .. import arguments
 from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
-from .drafter import DraftResult, DraftSource
+from .drafter import Drafter, DraftResult, DraftSource
 from .multimodal import merged_rows
 from .target_cache import rollback_rows, select_rows
 
@@ -291,9 +291,11 @@ class _Batch:
     """Every row's output: the left-padded prompt and the new tokens (device), each row's count and limit (host,
     mirrored on the device), which rows are done, what the streamer has been given, the per-round statistics."""
 
-    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, k: int, pad_token_id: int):
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, k: int, pad_token_id: int,
+                 checked_vocab: int | None = None):
         batch = prompt.shape[0]
         self.prompt, self.pad, self.k = prompt, pad_token_id, k
+        self.checked_vocab = checked_vocab  # a drafter not our own: its drafts are checked to lie in [0, V)
         self.out = torch.full((batch, max_new_tokens + k + 1), pad_token_id, dtype=torch.long, device=prompt.device)
         self.count = torch.zeros(batch, dtype=torch.long, device=prompt.device)
         self.counts, self.limits = [0] * batch, [max_new_tokens] * batch
@@ -351,7 +353,8 @@ def run_loop(target, drafter, input_ids, attention_mask, decoding: Decoding, *, 
     # own copy of the shared tensors): it gets the target's hiddens in its own dtype.
     draft_dtype = getattr(getattr(drafter, "model", None), "dtype", None)
     k = drafter.num_speculative_tokens
-    batch = _Batch(input_ids, max_new_tokens, k, pad_token_id)
+    vocab = None if isinstance(drafter, Drafter) else logits_vocab_size(_text_config(target))
+    batch = _Batch(input_ids, max_new_tokens, k, pad_token_id, vocab)
     cache = _new_cache(target)
     live, hidden, goes = _prefill(target, input_ids, attention_mask, rows, cache, batch, decoding, eos_t, generator,
                                   draft_dtype)
@@ -463,6 +466,8 @@ def _draft(drafter, decoding: Decoding, input_ids, positions, hidden, rows, gene
 def _with_proposals(live: _Live, result, decoding: Decoding, batch: _Batch, generator) -> _Live:
     """``live`` with the drafts of ``result`` (its rows' own), processed like the target's (``draft_scores``)."""
     drafts, q = _proposals(result, live.rows.device)
+    if batch.checked_vocab is not None:
+        _check_proposals(drafts, q, len(batch.counts), batch.k, batch.checked_vocab)
     drafts, q = drafts[live.rows], None if q is None else q[live.rows]
     if drafts.shape[1] != batch.k:
         raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, its num_speculative_tokens is {batch.k}")
@@ -620,6 +625,19 @@ def _proposals(result: DraftResult, device) -> tuple[torch.Tensor, torch.Tensor 
         raise TypeError(f"drafter.draft must return a DraftResult, got {type(result).__name__}")
     probs = result.draft_probs
     return result.drafts.to(device=device, dtype=torch.long), None if probs is None else probs.to(device)
+
+
+def _check_proposals(drafts: torch.Tensor, q: torch.Tensor | None, batch: int, k: int, vocab: int) -> None:
+    """A drafter of the caller's own: drafts [B, K] of ids the target can embed (an id out of range would index
+    past its embedding table), distributions [B, K, V]."""
+    if drafts.dim() != 2 or tuple(drafts.shape) != (batch, k):
+        raise ValueError(f"the drafter returned drafts of shape {tuple(drafts.shape)}, expected [{batch}, {k}]")
+    low, high = (int(v) for v in torch.aminmax(drafts)) if drafts.numel() else (0, 0)
+    if low < 0 or high >= vocab:
+        raise ValueError(f"the drafter returned draft ids in [{low}, {high}]; the target's vocabulary is [0, {vocab})")
+    if q is not None and tuple(q.shape) != (batch, k, vocab):
+        raise ValueError(f"the drafter returned draft_probs of shape {tuple(q.shape)}, expected "
+                         f"[{batch}, {k}, {vocab}]")
 
 
 def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, batch: int, fill) -> torch.Tensor:

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from ..atomic_files import build_directory_atomically
 from ..checkpoint.layout import INDEX_FILE, MTP_FILE, MTP_PREFIX, SHARED_FILE, SHARED_RAW_KEYS
 from ..config import CONFIG_FILE
+from ..model.torchao_schemes import quiet_import
 
 FORMAT_VERSION = 1  # bump when the written bytes change for the same (config, seed, dtype)
 _MAX_SHARD_BYTES = 4 << 30
@@ -236,9 +237,10 @@ def _raw_mtp_entry(name: str, shape) -> tuple[str, tuple[int, ...]] | None:
 
 def raw_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
     """(main, mtp) raw name -> shape, read off transformers' modules built on the meta device (no memory)."""
-    from transformers import InklingConfig, InklingForConditionalGeneration
-    from transformers.modeling_layers import MtpModel
-    from transformers.utils.generic import ContextManagers
+    with quiet_import():
+        from transformers import InklingConfig, InklingForConditionalGeneration
+        from transformers.modeling_layers import MtpModel
+        from transformers.utils.generic import ContextManagers
 
     hf_config = InklingConfig.from_dict(copy.deepcopy(config))
     contexts = InklingForConditionalGeneration.get_init_context(torch.float32, False, False, None)
@@ -449,7 +451,8 @@ def cached_checkpoint(preset: str, *, root=None, seed: int = 0, dtype: torch.dty
 
 def load_hf_target(path, dtype: torch.dtype = torch.float32):
     """transformers' multimodal Inkling target from a raw-layout directory, eval mode."""
-    from transformers import InklingForConditionalGeneration
+    with quiet_import():
+        from transformers import InklingForConditionalGeneration
 
     return InklingForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
 
@@ -460,7 +463,8 @@ def greedy_generation_config(target, max_new_tokens: int, *, eos_token_id=None):
     config = copy.deepcopy(target.generation_config)
     config.do_sample = False
     config.max_new_tokens, config.max_length, config.min_new_tokens = max_new_tokens, None, None
-    config.eos_token_id = eos_token_id
+    # generate() fills a None from the model's own generation config (its EOS ids), so "no EOS" is the empty list
+    config.eos_token_id = [] if eos_token_id is None else eos_token_id
     if config.pad_token_id is None:  # finished rows are padded: with the EOS id when there is one
         config.pad_token_id = eos_token_id[0] if isinstance(eos_token_id, list) else (eos_token_id or 0)
     return config
@@ -479,8 +483,9 @@ def hf_causal_lm_from(target):
     ``InklingForCausalLM.from_pretrained(raw_dir)`` does not understand raw ``model.llm.*`` names and would keep
     random weights with only a warning, so the text model is rebuilt from the loaded target instead.
     """
-    from transformers import InklingForCausalLM
-    from transformers.utils.generic import ContextManagers
+    with quiet_import():
+        from transformers import InklingForCausalLM
+        from transformers.utils.generic import ContextManagers
 
     text_config = copy.deepcopy(target.config.text_config)
     dtype = target.lm_head.weight.dtype

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from .. import arguments
 from ..arguments import ArgumentError
+from ..model.torchao_schemes import quiet_import
 
 FORMAT_VERSION = 1  # bump when the build writes different weights for the same corpus and recipe
 METRICS_FILE = "text_target.json"
@@ -234,7 +235,8 @@ def new_model(config: dict, seed: int):
     set to ``head_dim ** 0.25``: q and k are RMS-normed and scaled by 1 / head_dim, so unit gains would start every
     attention logit within +-1 (attention all but uniform); these gains start it like the usual 1 / sqrt(head_dim).
     """
-    from transformers import InklingConfig, InklingForCausalLM
+    with quiet_import():
+        from transformers import InklingConfig, InklingForCausalLM
 
     text = InklingConfig.from_dict(json.loads(json.dumps(config))).text_config
     torch.manual_seed(seed)

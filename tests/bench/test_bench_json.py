@@ -4,6 +4,9 @@ asked; the command line refuses bad options by name."""
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -79,8 +82,10 @@ def test_record_appends_an_entry(quick):
 def test_the_default_run_is_the_headline_and_full_runs_every_part():
     default, full = run.parse_args([]), run.parse_args(["--full"])
     assert default.record is None and default.json_path.parent == run.OUT_DIR
-    for part in ("kernels", "stock", "ksweep", "kcompile", "perrow", "packaged_latency", "startup_compile",
-                 "kround_choices"):
+    assert default.max_length == default.context + 64 and default.tp_world_sizes == (1, 2)
+    only = run.parse_args(["--only", "tp,quant"])  # named: run even though off by default (--full / opt-in)
+    assert only.runs("tp") and only.runs("quant", "tiny") and not only.runs("kernels")
+    for part in ("kernels", "stock", "ksweep", "kcompile", "perrow", "packaged_latency", "kround_choices"):
         assert not default.runs(part) and full.runs(part), part
     assert all(default.runs(name) for name in ("compile", "latency", "e2e", "packaged", "peer", "floor"))
     assert not default.runs("quant", "tiny") and default.runs("quant", "small") and full.time_budget > 10
@@ -97,11 +102,20 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     (["--with", "quant", "--skip", "quant"], "both skipped and asked for"),
     (["--ks", "1,two"], "--ks must be comma-separated integers, got '1,two'"),
     (["--e2e-ks", "0,4"], "each >= 1, got '0,4'"),
-    (["--context", "64", "--max-length", "65"], "--max-length must exceed --context + 1, got 65")])
+    (["--tp-world-sizes", "1,0"], "--tp-world-sizes must name one or more integers, each >= 1, got '1,0'")])
 def test_bad_arguments_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit):
         run.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_help_is_only_the_help():
+    """``--help`` prints the usage and nothing on stderr (no start-up progress line, no dependency's log line)."""
+    env = {**os.environ, "PYTHONPATH": str(run.BENCH_DIR.parent)}
+    done = subprocess.run([sys.executable, "-m", "bench", "run", "--help"], capture_output=True, text=True, env=env,
+                          cwd=run.BENCH_DIR.parent, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m bench run") and done.stderr == ""
+    assert "--tp-world-sizes" in done.stdout
 
 
 def test_compile_time_split():

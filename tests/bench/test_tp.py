@@ -1,5 +1,7 @@
-"""bench.tp on the tiny preset: the measured collective bytes of a draft round are what the plan says, the sharded
-ranks draft what the unsharded model drafts, and the section prints."""
+"""The ``tp`` section on the tiny preset: the measured collective bytes of a draft round are what the plan says, the
+sharded ranks draft what the unsharded model drafts, and the section prints."""
+
+import dataclasses
 
 from bench import tp
 from inkling_compiled.testing.synthetic import cached_checkpoint
@@ -18,5 +20,5 @@ def test_measured_communication_is_the_plan():
     full = tp.full_size()
     assert full.head_ratio >= 1000 and full.transformers_bytes == full.sglang_bytes
     record = {"preset": "tiny", "batch": 1, "num_speculative_tokens": 2,
-              "runs": [tp.dataclasses.asdict(run)], "full": tp.dataclasses.asdict(full)}
+              "runs": [dataclasses.asdict(run)], "full": dataclasses.asdict(full)}
     assert any("transformers" in line for line in tp.lines(record))

@@ -9,6 +9,7 @@ every row it is fed against the final sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -462,6 +463,32 @@ def test_the_drafter_contract_is_checked(target):
         speculative_generate(target, WithoutK(), ids, max_new_tokens=3)
     with pytest.raises(TypeError, match="drafter.draft must return a DraftResult, got SimpleNamespace"):
         speculative_generate(target, OneDraftShape(120, max_batch_size=1, max_length=12), ids, max_new_tokens=3)
+
+
+class BadDrafts(StandInDrafter):
+    """Returns drafts (and probs) the target cannot take: an id past its vocabulary, or the wrong shape."""
+
+    def __init__(self, *args, change, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.change = change
+
+    def draft(self, input_ids, positions, hidden, **kwargs):
+        result = super().draft(input_ids, positions, hidden, **kwargs)
+        return dataclasses.replace(result, **self.change(result))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda r: {"drafts": r.drafts + 120}, r"draft ids in \[\d+, \d+\]; the target's vocabulary is \[0, 120\)"),
+    (lambda r: {"drafts": r.drafts - 200}, r"draft ids in \[-\d+, -\d+\]; the target's vocabulary is \[0, 120\)"),
+    (lambda r: {"drafts": r.drafts[0]}, r"drafts of shape \(1,\), expected \[1, 1\]"),
+    (lambda r: {"drafts": r.drafts.expand(2, 1)}, r"drafts of shape \(2, 1\), expected \[1, 1\]"),
+])
+def test_a_custom_drafters_impossible_drafts_are_named(target, change, match):
+    """A DraftSource of the caller's own is not trusted like ours: an id past the vocabulary indexed the target's
+    embedding deep inside torch (an illegal memory access on a GPU)."""
+    drafter = BadDrafts(120, max_batch_size=1, max_length=12, change=change)
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
 
 
 @pytest.mark.parametrize("overrides,match", [
