@@ -469,8 +469,6 @@ def _with_proposals(live: _Live, result, decoding: Decoding, batch: _Batch, gene
     if batch.checked_vocab is not None:
         _check_proposals(drafts, q, len(batch.counts), batch.k, batch.checked_vocab)
     drafts, q = drafts[live.rows], None if q is None else q[live.rows]
-    if drafts.shape[1] != batch.k:
-        raise ValueError(f"the drafter returned {drafts.shape[1]} drafts, its num_speculative_tokens is {batch.k}")
     if not decoding.greedy:
         if q is None:
             raise ValueError("the drafter returned no probs for temperature > 0")
