@@ -46,10 +46,26 @@ SHARED_UNITS = {
     "tests/training/test_distill.py": "quick-distilled",
     "tests/bench/test_e2e.py": "quick-distilled",
 }
-HEAVIEST_FIRST = ("tiny8", "distilled-tiny")
+HEAVIEST_FIRST = (  # seconds of the unit run alone, cold, on 2 cores shared with two other jobs
+    "tiny8",  # 258: tiny8's distillation, the K = 8 compile
+    "distilled-tiny",  # 147
+    "tests/model/test_tensor_parallel.py",  # 135: 10 interpreters (gloo ranks, torchrun)
+    "tests/passes/test_fuse_draft_input.py",  # 131
+    "tests/runtime/test_drafter.py",  # 126
+    "tests/test_imports.py",  # 96: 6 interpreters
+    "tests/bench/test_bench_json.py",  # 89
+    "tests/passes/test_only_our_graphs.py",  # 57
+    "tests/passes/test_manager.py",  # 53
+    "tests/runtime/test_cached_round.py",  # 51
+    "tests/passes/test_real_model.py",  # 46
+    "tests/model/test_nan_isolation.py",  # 43
+    "tests/runtime/test_speculative.py",  # 43
+)
 
 
 class SharedFixtureUnits(LoadFileScheduling):
+    """--dist loadfile with SHARED_UNITS' files together and HEAVIEST_FIRST's units handed out first."""
+
     def _split_scope(self, nodeid: str) -> str:
         path = super()._split_scope(nodeid)
         return SHARED_UNITS.get(path, path)
