@@ -106,17 +106,20 @@ def _fresh(code: str, **env) -> dict:
     return json.loads(_run(code, **env).stdout.strip().splitlines()[-1])
 
 
-# One interpreter for three facts, in the order that keeps each one clean: the modules ``import inkling_compiled``
-# loads, then those its runtime and passes add, then (last: it imports transformers) loading a transformers target.
+# One interpreter for four facts, in the order that keeps each one clean: the modules ``import inkling_compiled``
+# loads, then those its runtime and passes add, then what installing the passes imports, then (last: it imports
+# transformers) loading a transformers target.
 _IMPORTS = """
 import json, sys
 import inkling_compiled
 package = sorted(sys.modules)
-import inkling_compiled.runtime, inkling_compiled.passes
+import inkling_compiled.runtime, inkling_compiled.passes as p
 runtime = sorted(sys.modules)
+p.install()
+install = [p.installed(), "torch._inductor.pattern_matcher" in sys.modules]
 from inkling_compiled.testing.synthetic import load_hf_target
 load_hf_target(sys.argv[1])
-print(json.dumps({"package": package, "runtime": runtime}))
+print(json.dumps({"package": package, "runtime": runtime, "install": install}))
 """
 
 
@@ -138,6 +141,13 @@ def test_importing_the_package_loads_no_training_testing_or_benchmark_code(impor
 def test_importing_the_package_and_runtime_imports_no_compiler_and_no_transformers(imports):
     loaded = imports["runtime"]
     assert [m for m in loaded if m.split(".")[0] == "transformers" or m.startswith(HEAVY[:2])] == []
+
+
+def test_installing_the_passes_imports_no_pattern_matcher(imports):
+    # (measured against whatever the package itself imports, so this stays about the passes; moved here from
+    # tests/passes/test_manager.py to share the interpreter)
+    installed, matcher = imports["install"]
+    assert installed and (not matcher or "torch._inductor.pattern_matcher" in imports["package"])
 
 
 def test_loading_a_transformers_target_prints_no_torchao_import_lines(imports):
