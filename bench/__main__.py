@@ -7,7 +7,7 @@ import sys
 import warnings
 
 if sys.argv[1:2] == ["probe"]:
-    from .harness import probe_main
+    from . import probe_main
 
     sys.exit(probe_main(*sys.argv[2:4]))
 if not {"-h", "--help"} & set(sys.argv[1:]):

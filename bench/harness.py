@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import resource
@@ -20,8 +19,9 @@ from pathlib import Path
 import torch
 from torch.utils import benchmark
 
+from . import PROBE_PREFIX
+
 REPO_DIR = Path(__file__).resolve().parent.parent
-PROBE_PREFIX = "BENCH_PROBE: "
 _T0 = time.perf_counter()
 
 
@@ -101,7 +101,8 @@ def random_rows(mtp, batch: int, start: int, rows: int, gen: torch.Generator):
 
 def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: float) -> dict:
     """``bench.<function>(args)`` in a fresh interpreter (its own Inductor / Triton cache dir when given); the dict
-    it returns, with ``process_s`` (spawn to exit) added. ``args["spawned_at"]`` is the spawn's wall clock."""
+    it returns, with ``process_s`` (spawn to exit) added. ``args["spawned_at"]`` is the spawn's wall clock. The child
+    (:func:`bench.probe_main`) imports nothing heavy before ``function`` runs."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_DIR), os.environ.get("PYTHONPATH")]))}
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     if cache_dir is not None:
@@ -115,14 +116,6 @@ def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: floa
         tail = (done.stderr or done.stdout).strip().splitlines()[-8:]
         raise RuntimeError(f"probe {function} failed (exit {done.returncode}): " + " | ".join(tail))
     return {**json.loads(found[-1][len(PROBE_PREFIX):]), "process_s": time.perf_counter() - start}
-
-
-def probe_main(function: str, args_json: str) -> int:
-    """The child's side of :func:`run_probe`: ``module.function`` under ``bench``."""
-    module, name = function.rsplit(".", 1)
-    result = getattr(importlib.import_module(f"bench.{module}"), name)(json.loads(args_json))
-    print(PROBE_PREFIX + json.dumps(result), flush=True)
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -174,7 +167,7 @@ def table(rows: list[list[str]], indent: str = "") -> list[str]:
 
 # Parts of sections the default (headline) run leaves out; ``--full`` runs them
 FULL_ONLY = frozenset({"kernels", "stock", "depths", "tp", "multimodal", "kcompile", "perrow", "packaged_latency",
-                       "startup_compile", "e2e_eager", "target_loop", "kround_choices"})
+                       "e2e_eager", "target_loop", "kround_choices"})
 # Sections a preset runs only when asked with --with (on tiny: one compile per scheme, for a step too small to
 # be memory-bound)
 OPT_IN = {"quant": frozenset({"tiny"})}

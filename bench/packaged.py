@@ -1,6 +1,6 @@
-"""The drafter packaged ahead of time with AOTInductor (``packaged`` section): build, start-up of a fresh process to
-its first draft (package; with ``--full`` also cold and warm compile), and with ``--full`` per-call latency beside
-the compiled drafter, transformers' step and the GEMM floor."""
+"""The drafter packaged ahead of time with AOTInductor (``packaged`` section): its build, a fresh process to its first
+draft (the ``compile`` section times the compiled drafter's), and with ``--full`` its per-call latency beside the
+compiled drafter, transformers' step and the GEMM floor."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from inkling_compiled.testing.synthetic import default_cache_root
 from . import step as S
 from .harness import Context, error_text, progress, ratios, run_probe, table, time_variants
 from .models import Models
+from .probes import first_draft_text
 
 K = 1  # the packaged drafter drafts one token per round: the draft step the latency section times
 RATIOS = {"packaged_vs_compiled_draft": ("compiled", "packaged"),
@@ -41,25 +42,21 @@ class Packaged:
     threads: int
     torch: str = torch.__version__
     package: dict | None = None  # build seconds, bytes, per step its compile time, matches and kernels
-    startup: dict[str, dict] = field(default_factory=dict)  # mode -> bench.probes.startup
+    startup: dict[str, dict] = field(default_factory=dict)  # "package": bench.probes.first_draft
     latency: dict | None = None
     ratios: dict[str, float] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def cached_package(models: Models, batch: int, max_length: int) -> tuple[Path, dict] | None:
-    """The package an earlier default run left in the cache, if this torch, these passes and this model still
-    accept it (``Drafter.load_compiled`` checks them): (its directory, its build record)."""
-    directory = package_cache(models, batch, max_length)
+def cached_package(models: Models, batch: int, max_length: int) -> tuple[Path, dict | None]:
+    """Where a default run keeps its package, and the package's build record if this torch, these passes and this
+    model still accept it (``Drafter.load_compiled`` checks them)."""
+    directory = default_cache_root().parent / "bench-packages" / f"{models.checkpoint.name}-k{K}-b{batch}-l{max_length}"
     try:
         Drafter.load_compiled(directory, models.mtp)
         return directory, json.loads((directory / "bench.json").read_text())
     except Exception:  # noqa: BLE001 - missing, stale or damaged: the caller builds it again
-        return None
-
-
-def package_cache(models: Models, batch: int, max_length: int) -> Path:
-    return default_cache_root().parent / "bench-packages" / f"{models.checkpoint.name}-k{K}-b{batch}-l{max_length}"
+        return directory, None
 
 
 def build_package(models: Models, batch: int, max_length: int, directory: Path) -> dict:
@@ -74,21 +71,6 @@ def build_package(models: Models, batch: int, max_length: int, directory: Path) 
     record = {"save_s": save_s, "bytes": sum(f.stat().st_size for f in directory.iterdir()), "steps": steps}
     (directory / "bench.json").write_text(json.dumps(record))
     return record
-
-
-def startup(base: dict, modes: tuple[str, ...], timeout: float) -> dict[str, dict]:
-    """By mode, each a fresh process: package load, cold compile, warm compile (the cold one's cache dir)."""
-    rows, caches = {}, {mode: tempfile.mkdtemp(prefix="inkling-bench-") for mode in ("package", "cold")}
-    try:
-        for mode in modes:
-            progress(f"packaged: start-up to the first draft, {mode} (fresh process)")
-            rows[mode] = run_probe("probes.startup", {**base, "mode": mode}, cache_dir=caches.get(mode, caches["cold"]),
-                                   timeout=timeout)
-            progress(f"packaged: {mode}: first draft {rows[mode]['to_first_draft_s']:.2f} s after the spawn")
-    finally:
-        for directory in caches.values():
-            shutil.rmtree(directory, ignore_errors=True)
-    return rows
 
 
 def latency(models: Models, batch: int, context: int, max_length: int, package: Path, budget_s: float) -> dict:
@@ -124,18 +106,16 @@ def measure(ctx: Context) -> Packaged:
                          "weights here (--weights checkpoint)")
     batch = s.batch_sizes[0]
     record = Packaged(ctx.preset, K, batch, s.context, s.device, s.dtype, s.threads)
-    work = Path(tempfile.mkdtemp(prefix="inkling-bench-packaged-"))
-    found = None if s.full else cached_package(models, batch, s.max_length)  # --full always builds afresh
-    package = found[0] if found else package_cache(models, batch, s.max_length) if not s.full else work / "p"
-    base = {"checkpoint": str(models.checkpoint), "device": s.device, "dtype": s.dtype, "batch": batch, "k": K,
-            "context": s.context, "max_length": s.max_length, "threads": s.threads, "package": str(package)}
-    modes = ("package", "cold", "warm") if s.runs("startup_compile") else ("package",)
-    parts = {"package": (lambda: {**found[1], "cached": str(package)}) if found else
-             (lambda: build_package(models, batch, s.max_length, package)),
-             "startup": lambda: startup(base, modes, s.probe_timeout)}
-    if s.runs("packaged_latency"):
-        parts["latency"] = lambda: latency(models, batch, s.context, s.max_length, package, s.time_budget)
-    try:
+    with tempfile.TemporaryDirectory(prefix="inkling-bench-packaged-") as work:
+        package, found = (Path(work) / "p", None) if s.full else cached_package(models, batch, s.max_length)
+        base = {"checkpoint": str(models.checkpoint), "device": s.device, "dtype": s.dtype, "batch": batch, "k": K,
+                "context": s.context, "max_length": s.max_length, "threads": s.threads, "package": str(package)}
+        parts = {"package": (lambda: {**found, "cached": str(package)}) if found else  # --full builds it afresh
+                 (lambda: build_package(models, batch, s.max_length, package)),
+                 "startup": lambda: {"package": run_probe("probes.first_draft", base, cache_dir=f"{work}/inductor",
+                                                          timeout=s.probe_timeout)}}
+        if s.runs("packaged_latency"):
+            parts["latency"] = lambda: latency(models, batch, s.context, s.max_length, package, s.time_budget)
         for part, run in parts.items():
             progress(f"packaged: {ctx.preset} b{batch}: {part}")
             try:
@@ -145,11 +125,9 @@ def measure(ctx: Context) -> Packaged:
                 record.errors[part] = error_text(e)
                 if part == "package":
                     break
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     medians = {n: v.median_ms for n, v in (record.latency or {}).get("variants", {}).items()}
     record.ratios = {**ratios(medians, RATIOS),
-                     **{f"startup_{mode}_s": row["to_first_draft_s"] for mode, row in record.startup.items()}}
+                     **{f"startup_{how}_s": row["to_first_draft_s"] for how, row in record.startup.items()}}
     return record
 
 
@@ -161,10 +139,7 @@ def lines(out: dict) -> list[str]:
         found.append(f"package: {out['package']['save_s']:.1f} s to build ({steps}), {out['package']['bytes']} bytes"
                      + (f"; reused from {out['package']['cached']} (--full builds it afresh)"
                         if "cached" in out["package"] else ""))
-    found += [f"start-up {mode:8s} first draft {r['to_first_draft_s']:6.2f} s after the spawn: imports "
-              f"{r['import_s']:.2f}, model {r['model_s']:.2f}, drafter {r['ready_s']:.2f}, first draft "
-              f"{r['first_draft_s']:.2f} (FX cache hit/miss {r['fxgraph_cache_hit']}/{r['fxgraph_cache_miss']}, "
-              f"Dynamo graphs {r['dynamo_graphs']})" for mode, r in out["startup"].items()]
+    found += [f"start-up {how}: first draft {first_draft_text(r)}" for how, r in out["startup"].items()]
     if out["latency"]:
         rows = [["latency (ms)", "median", "p10-p90"]]
         rows += [[f"  {name}", f"{v['median_ms']:.4f}", f"{v['p10_ms']:.4f}-{v['p90_ms']:.4f}"]

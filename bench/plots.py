@@ -242,7 +242,7 @@ def _startup_rows(result: dict) -> list[tuple[str, dict]]:
         if comp.get("warm"):
             rows.append((f"{name}: FX-cache " + ("hit" if comp["warm_cache_hit"] else "MISSED"), comp["warm"]))
         probe = ((cfg.get("packaged") or {}).get("startup") or {}).get("package")
-        if probe:  # bench.probes.startup in the parts of a compile probe
+        if probe:  # bench.probes.first_draft in the parts of a compile probe
             rows.append((f"{name}: packaged (AOTInductor)",
                          {"import_s": probe["import_s"], "load_s": probe["model_s"],
                           "first_call_s": probe["ready_s"] + probe["prefill_s"] + probe["first_draft_s"]}))

@@ -1,21 +1,26 @@
 """What runs in a fresh process (:func:`bench.harness.run_probe`): each function takes the JSON arguments and returns
-the figures. Only torch and the package are imported here, so a start-up probe loads what a serving process does."""
+the figures. The top imports only the standard library: each probe imports what it measures, and the start-up probes
+time those very imports."""
 
 from __future__ import annotations
 
+import sys
 import time
 
-import torch
-from torch._dynamo.utils import compile_times, counters
+HEAVY = ("torch._dynamo", "torch._inductor", "transformers")  # what a process that only drafts need not import
 
-from inkling_compiled import InklingMTP
-from inkling_compiled import passes as ic_passes
-from inkling_compiled.runtime import Drafter
 
-from .harness import cpu_seconds, random_rows
+def _since_spawn(args: dict) -> float:
+    return time.time() - float(args["spawned_at"])
+
+
+def _heavy() -> list[str]:
+    return [m for m in HEAVY if m in sys.modules]
 
 
 def _times() -> dict[str, float]:
+    from torch._dynamo.utils import compile_times
+
     headers, values = compile_times(repr="csv", aggregate=True)
     return {h: float(v) for h, v in zip(headers, values)}
 
@@ -31,14 +36,78 @@ def split_compile_times(times: dict[str, float]) -> dict:
             "inductor_s": times.get("compile_fx_inner", 0.0), "breakdown_s": {k: times[k] for k in keep if k in times}}
 
 
+def imports(args: dict) -> dict:
+    """Spawn to ``import torch`` done (``torch_fresh``: the child had not imported it before, as it must not), then
+    ``import inkling_compiled`` (and its runtime) on top, and the heavy modules that loaded."""
+    torch_fresh = "torch" not in sys.modules
+    import torch  # noqa: F401
+
+    import_torch_s, start = _since_spawn(args), time.perf_counter()
+    import inkling_compiled.runtime  # noqa: F401
+
+    return {"import_torch_s": import_torch_s, "import_package_s": time.perf_counter() - start,
+            "package_imported": _heavy(), "torch_fresh": torch_fresh}
+
+
+def first_draft(args: dict) -> dict:
+    """Spawn to the first draft, by phase: :func:`imports`, the MTP from its checkpoint, the drafter (``package``: that
+    AOTInductor package loaded; else the default K-depth drafter, its round from the disk cache), an eager depth-0
+    prefill of ``context`` rows, the draft; the heavy modules imported by then, the Dynamo graphs compiled."""
+    found = imports(args)
+    import torch
+
+    from inkling_compiled import InklingMTP
+    from inkling_compiled.runtime import Drafter
+
+    import_s, start = _since_spawn(args), time.perf_counter()
+    torch.set_num_threads(int(args["threads"]))
+    mtp = InklingMTP.from_pretrained(args["checkpoint"], dtype=getattr(torch, args["dtype"]), device=args["device"])
+    t_model = time.perf_counter()
+    batch, rows, k = int(args["batch"]), int(args["context"]) + 1, int(args["k"])
+    drafter = (Drafter.load_compiled(args["package"], mtp) if args.get("package") else
+               Drafter(mtp, batch, int(args["max_length"]), num_speculative_tokens=k, graph_rows=(k,)))
+    t_ready = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, mtp.config.logits_vocab_size, (batch, rows), generator=gen).to(mtp.device)
+    positions = torch.arange(rows, device=mtp.device)[None].expand(batch, rows)
+    hidden = torch.randn(batch, rows, mtp.config.hidden_size, generator=gen).to(mtp.device, mtp.dtype)
+    with torch.no_grad():
+        mtp(ids[:, :-1], positions[:, :-1], hidden[:, :-1], cache=drafter.cache, depth=0)
+    t_prefill = time.perf_counter()
+    drafter.draft(ids[:, -1:], positions[:, -1:], hidden[:, -1:]).drafts.cpu()
+    t_first = time.perf_counter()
+    dynamo = sys.modules.get("torch._dynamo.utils")  # absent: nothing imported Dynamo, so nothing compiled
+    return {**found, "import_s": import_s, "model_s": t_model - start,
+            "ready_s": t_ready - t_model, "prefill_s": t_prefill - t_ready, "first_draft_s": t_first - t_prefill,
+            "to_first_draft_s": _since_spawn(args), "packaged": bool(drafter.packaged_buckets), "imported": _heavy(),
+            "dynamo_graphs": int(dynamo.counters["stats"]["unique_graphs"]) if dynamo else 0}
+
+
+def heavy_text(modules: list[str]) -> str:
+    return ", ".join(modules) or "none of " + ", ".join(HEAVY)
+
+
+def first_draft_text(r: dict) -> str:
+    """A :func:`first_draft` record (or the fresh processes' medians of it) by phase."""
+    return (f"{r['to_first_draft_s']:.2f} s after the spawn: imports {r['import_s']:.2f} (torch "
+            f"{r['import_torch_s']:.2f}), model {r['model_s']:.2f}, drafter {r['ready_s']:.2f}, prefill "
+            f"{r['prefill_s']:.2f}, first draft {r['first_draft_s']:.2f} (round packaged: {r['packaged']}; Dynamo "
+            f"graphs {r['dynamo_graphs']}; imported: {heavy_text(r['imported'])})")
+
+
 def step_compile(args: dict) -> dict:
     """Cold or warm (by the cache dir the parent gives) compile of the one-token draft step: the first call split
     into Dynamo / backend, the FX graph cache counters, recompiles over ``steps`` steps at advancing positions and,
     on CUDA, the CUDA-graph capture."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from inkling_compiled import passes as ic_passes
+
     from .models import load_models  # the model builders: transformers' too
     from .step import make_drafter, make_inputs, prefill, step_fn
 
-    import_s, start = time.time() - args["spawned_at"], time.perf_counter()
+    import_s, start = _since_spawn(args), time.perf_counter()
     torch.set_num_threads(int(args["threads"]))
     device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
     models = load_models(args["preset"], device=device, dtype=dtype, weights=args["weights"], peer=False)
@@ -82,6 +151,15 @@ def step_compile(args: dict) -> dict:
 def k_compile(args: dict) -> dict:
     """Compile a K-depth drafter's greedy decode windows at batch 1 (wall and CPU seconds, compiler children
     included), then count recompiles over 64 rounds of 1..K+1 verified rows."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from inkling_compiled import InklingMTP
+    from inkling_compiled import passes as ic_passes
+    from inkling_compiled.runtime import Drafter
+
+    from .harness import cpu_seconds, random_rows
+
     torch.set_num_threads(int(args["threads"]))
     k = int(args["k"])
     mtp = InklingMTP.from_pretrained(args["checkpoint"])
@@ -99,31 +177,3 @@ def k_compile(args: dict) -> dict:
         start += rows
     return {"wall_s": wall, "cpu_s": cpu, "graphs": graphs, "matches": ic_passes.match_counts(),
             "recompiles_over_64_rounds": counters["stats"]["unique_graphs"] - graphs}
-
-
-def startup(args: dict) -> dict:
-    """This fresh process from its spawn to its first draft (``mode``: package, cold or warm compile), by phase."""
-    ready_to_import = time.perf_counter()
-    torch.set_num_threads(int(args["threads"]))
-    mtp = InklingMTP.from_pretrained(args["checkpoint"], dtype=getattr(torch, args["dtype"]), device=args["device"])
-    t_model = time.perf_counter()
-    batch, context, k = int(args["batch"]), int(args["context"]), int(args["k"])
-    if args["mode"] == "package":
-        drafter = Drafter.load_compiled(args["package"], mtp)
-    else:
-        drafter = Drafter(mtp, batch, int(args["max_length"]), num_speculative_tokens=k, graph_rows=(k,),
-                          cached_rounds=False)  # cold / warm: the compile is what is timed
-    t_ready = time.perf_counter()
-    ids, positions, hidden = random_rows(mtp, batch, 0, context + 1, torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        mtp(ids[:, :-1], positions[:, :-1], hidden[:, :-1], cache=drafter.cache, depth=0)
-    t_prefill = time.perf_counter()
-    counters.clear()
-    drafter.draft(ids[:, -1:], positions[:, -1:], hidden[:, -1:]).drafts.cpu()
-    t_first = time.perf_counter()
-    return {"mode": args["mode"], "import_s": time.time() - args["spawned_at"] - (t_first - ready_to_import),
-            "model_s": t_model - ready_to_import, "ready_s": t_ready - t_model, "prefill_s": t_prefill - t_ready,
-            "first_draft_s": t_first - t_prefill, "to_first_draft_s": time.time() - args["spawned_at"],
-            "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
-            "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
-            "dynamo_graphs": int(counters["stats"]["unique_graphs"]), "packaged_buckets": len(drafter.packaged_buckets)}

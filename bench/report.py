@@ -21,10 +21,6 @@ def _get(result: dict, *path):
     return node
 
 
-def _cpu(result: dict) -> bool:
-    return result["settings"]["device"] == "cpu"
-
-
 def median(result: dict, preset: str, variant: str, batch: str = "1") -> float | None:
     return _get(result, "configs", preset, "latency", "batches", batch, "variants", variant, "median_ms")
 
@@ -34,44 +30,18 @@ def _over(a: float | None, b: float | None) -> float | None:
 
 
 def _step_vs_transformers(r: dict) -> float | None:
-    fp32 = _cpu(r) and r["settings"]["dtype"] == "float32"
+    fp32 = r["settings"]["dtype"] == "float32"
     return _over(median(r, "tiny", "hf_eager"), median(r, "tiny", "compiled")) if fp32 else None
 
 
-def _small_vs_floor(r: dict) -> float | None:
-    return _over(median(r, "small", "cudagraph") or median(r, "small", "compiled"), median(r, "small", "gemm_floor"))
-
-
-def _e2e_speedup(r: dict, k: int) -> float | None:
-    return _get(r, "e2e", "methods", f"ours_compiled_k{k}", "speedup_vs_target")
-
-
-def _gpu_vs_hbm(r: dict) -> float | None:
-    return _over(median(r, "full", "cudagraph"),
-                 _get(r, "configs", "full", "latency", "batches", "1", "bandwidth", "hbm_floor_ms"))
-
-
-def _compile(r: dict, phase: str) -> float | None:
-    return _get(r, "configs", "tiny", "compile", phase, "first_call_s") if _cpu(r) else None
-
-
-def _packaged(r: dict, name: str) -> float | None:
-    return _get(r, "configs", "tiny", "packaged", "ratios", name) if _cpu(r) else None
-
-
-def _startup(r: dict, name: str) -> float | None:
-    """A figure of the startup section: its ``import_package_s`` (seconds), else one of its ratios."""
-    return _get(r, "startup", name) if name == "import_package_s" else _get(r, "startup", "ratios", name)
-
-
-def _perrow_batch4(r: dict) -> float | None:
-    ks = _get(r, "perrow", "ks") or {}
+def _largest_k_batch4(r: dict) -> float | None:
+    ks = _get(r, "e2e", "batched", "ks") or {}
     largest = max(ks, key=int, default=None)
     return _get(ks, largest, "4", "per_row", "vs_batch1") if largest else None
 
 
 def _k_compile_ratio(r: dict) -> float | None:
-    probes = [p["cold_compile"] for p in (_get(r, "depths", "ours") or {}).values()
+    probes = [p["cold_compile"] for p in (_get(r, "e2e", "rounds") or {}).values()
               if "cpu_s" in (p.get("cold_compile") or {})]
     return probes[-1]["ratio_to_first"] if len(probes) > 1 else None
 
@@ -88,43 +58,50 @@ class Goal:
     op: str  # how the value compares with the bound
     bound: float
     unit: str
-    value: Callable[[dict], float | None]
+    value: tuple | Callable[[dict], float | None]  # a path into the result, or a function of it
     needs: str  # what a run needs to measure it
+    cpu: bool = False  # a CPU figure: not measured on another device
 
 
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt}
+_TINY = ("configs", "tiny")
 GOALS = (
     Goal("cpu_tiny_vs_transformers", "CPU batch 1 fp32 tiny: compiled step faster than transformers' eager MtpModel "
-         "step", ">=", 10, "x", _step_vs_transformers, "--device cpu --dtype float32, tiny, batch 1, the peer"),
+         "step", ">=", 10, "x", _step_vs_transformers, "--device cpu --dtype float32, tiny, batch 1, the peer", True),
     Goal("small_vs_gemm_floor", "small (H 1024, V 32000) batch 1: compiled step over the GEMM-only floor", "<=", 1.1,
-         "x", _small_vs_floor, "--config small"),
+         "x", lambda r: _over(median(r, "small", "cudagraph") or median(r, "small", "compiled"),
+                              median(r, "small", "gemm_floor")), "--config small"),
     Goal("e2e_faster_than_target", "end to end K = 1: our speculative generation over the target alone", ">", 1, "x",
-         lambda r: _e2e_speedup(r, 1), "the e2e section"),
+         ("e2e", "methods", "ours_compiled_k1", "speedup_vs_target"), "the e2e section"),
     Goal("gpu_full_vs_hbm_floor", "GPU full dims batch 1: CUDA-graph step over the HBM floor", "<=", 1.15, "x",
-         _gpu_vs_hbm, "--device cuda --config full"),
+         lambda r: _over(median(r, "full", "cudagraph"), _get(r, "configs", "full", "latency", "batches", "1",
+                                                                "bandwidth", "hbm_floor_ms")),
+         "--device cuda --config full"),
     Goal("cpu_tiny_cold_compile", "cold compile of the draft step on CPU (tiny)", "<=", 20, " s",
-         lambda r: _compile(r, "cold"), "the compile section on CPU with tiny"),
+         (*_TINY, "compile", "cold", "first_call_s"), "the compile section on CPU with tiny", True),
     Goal("cpu_tiny_warm_compile", "warm compile (FX graph cache hit) of the draft step on CPU (tiny)", "<=", 3, " s",
-         lambda r: _compile(r, "warm"), "the compile section on CPU with tiny"),
+         (*_TINY, "compile", "warm", "first_call_s"), "the compile section on CPU with tiny", True),
     Goal("cpu_tiny_packaged_startup", "fresh process to the first packaged draft on CPU (tiny), imports included",
-         "<=", 3, " s", lambda r: _packaged(r, "startup_package_s"), "the packaged section on CPU with tiny"),
+         "<=", 3, " s", (*_TINY, "packaged", "ratios", "startup_package_s"), "the packaged section on CPU with tiny",
+         True),
     Goal("cpu_tiny_packaged_vs_transformers", "CPU tiny: packaged draft over transformers' MtpModel step", ">=", 15,
-         "x", lambda r: _packaged(r, "packaged_vs_transformers"), "--full (the packaged latency) on CPU with tiny"),
+         "x", (*_TINY, "packaged", "ratios", "packaged_vs_transformers"),
+         "--full (the packaged latency) on CPU with tiny", True),
     Goal("perrow_batch4_tokens_per_forward", "per-row acceptance: batch 4's tokens per target forward over batch "
-         "1's (largest K)", ">=", 0.9, "x", _perrow_batch4, "--full (the perrow section, CPU)"),
+         "1's (largest K)", ">=", 0.9, "x", _largest_k_batch4, "--full (the e2e section's batched part, CPU)"),
     Goal("startup_first_draft_vs_import_torch", "fresh process to the first packaged draft (tiny8, K = 8, CPU) over "
-         "a fresh `import torch` alone", "<=", 1.3, "x", lambda r: _startup(r, "first_draft_vs_import_torch"),
+         "a fresh `import torch` alone", "<=", 1.3, "x", ("startup", "ratios", "first_draft_vs_import_torch"),
          "the startup section (CPU)"),
     Goal("startup_import_package", "`import inkling_compiled` on top of `import torch`", "<=", 0.5, " s",
-         lambda r: _startup(r, "import_package_s"), "the startup section (CPU)"),
+         ("startup", "first_draft", "import_package_s"), "the startup section (CPU)"),
     Goal("startup_round_k_vs_round_1", "CPU K = 8 draft round over the K = 1 round (tiny8, batch 1)", "<=", 3, "x",
-         lambda r: _startup(r, "round_k_vs_round_1"), "the startup section (CPU)"),
+         ("startup", "ratios", "round_k_vs_round_1"), "the startup section (CPU)"),
     Goal("startup_round_k_vs_floor", "CPU K = 8 draft round over its GEMM floor (tiny8, batch 1)", "<=", 2, "x",
-         lambda r: _startup(r, "round_k_vs_floor"), "the startup section (CPU)"),
+         ("startup", "ratios", "round_k_vs_floor"), "the startup section (CPU)"),
     Goal("k_sweep_compile_ratio", "cold compile of the largest K's drafter over the smallest K's (CPU seconds)", "<=",
-         2, "x", _k_compile_ratio, "--full (the depths section)"),
+         2, "x", _k_compile_ratio, "--full (the e2e section's rounds part)"),
     Goal("tp_head_share", "tensor-parallel greedy head at full dims, T = 8: a [B, V] gather over our [T, B, 2] pairs",
-         ">=", 1000, "x", lambda r: _get(r, "tp", "full", "head_ratio"), "the tp section"),
+         ">=", 1000, "x", ("tp", "full", "head_ratio"), "the tp section"),
     Goal("tp_bytes_per_rank", "tensor-parallel full dims, T = 8: one rank's parameter bytes (embedding aside) over "
          "1/T of the unsharded model's", "<=", 1.05, "x", _tp_share, "the tp section"),
 )
@@ -134,7 +111,10 @@ def evaluate_goals(result: dict) -> list[dict]:
     """Each goal with its measured value; ``met`` is None when this run did not measure it."""
     found = []
     for g in GOALS:
-        value = g.value(result)
+        if g.cpu and result["settings"]["device"] != "cpu":
+            value = None
+        else:
+            value = _get(result, *g.value) if isinstance(g.value, tuple) else g.value(result)
         found.append({"id": g.id, "text": f"{g.text} {g.op} {g.bound:g}{g.unit.strip()}", "value": value,
                       "unit": g.unit, "met": None if value is None else OPS[g.op](value, g.bound),
                       "note": "" if value is not None else f"needs {g.needs}"})

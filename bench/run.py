@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from . import compile_time, e2e, ksweep, multimodal, packaged, perrow, plots, quant, report, startup, step, tp
-from .harness import OPT_IN, Context, Settings, error_text, plain, probe_main, progress, write_json
+from .harness import OPT_IN, Context, Settings, error_text, plain, progress, write_json
 from .models import load_models
 
 SCHEMA_ID = "inkling-bench/3"
@@ -312,6 +312,8 @@ def main(argv=None) -> int:
     probe.add_argument("args_json")
     a = p.parse_args(argv)
     if a.command == "probe":
+        from . import probe_main  # `python -m bench probe` reaches it before this module (bench/__main__.py)
+
         return probe_main(a.function, a.args_json)
     if a.command == "report":
         return report_command(a)

@@ -85,8 +85,7 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     assert default.max_length == default.context + 64 and default.tp_world_sizes == (1, 2)
     only = run.parse_args(["--only", "tp,quant"])  # named: run even though off by default (--full / opt-in)
     assert only.runs("tp") and only.runs("quant", "tiny") and not only.runs("kernels")
-    for part in ("kernels", "stock", "depths", "kcompile", "perrow", "packaged_latency", "startup_compile",
-                 "kround_choices"):
+    for part in ("kernels", "stock", "depths", "kcompile", "perrow", "packaged_latency", "kround_choices"):
         assert not default.runs(part) and full.runs(part), part
     assert all(default.runs(name) for name in ("compile", "latency", "e2e", "packaged", "peer", "floor"))
     assert not default.runs("quant", "tiny") and default.runs("quant", "small") and full.time_budget > 10

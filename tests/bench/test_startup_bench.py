@@ -1,44 +1,45 @@
-"""The start-up benchmark (``bench.startup``): its import probe in a fresh process (which also shows the lazy import
-boundary from the benchmark's side), and the verdict lines of a result (the measurement itself runs under
-``python -m bench.startup``, not in CI)."""
+"""The start-up benchmark (``bench.startup``): its import probe through ``harness.run_probe`` (which also shows the
+lazy import boundary from the benchmark's side), the table of a result and the goals the runner judges from it (the
+measurement itself runs in ``python -m bench run --only startup``, not in CI)."""
 
 import dataclasses
-import os
 
 from bench import report
-from bench.startup import GOALS, HEAVY, RoundFigures, StartupResult, _spawn, lines
+from bench.harness import Stats, run_probe
+from bench.probes import HEAVY
+from bench.startup import Startup, lines
 
 
-def test_the_import_probe_times_both_imports_and_finds_no_heavy_module():
-    found = _spawn("imports", {}, dict(os.environ), timeout=300)
+def test_the_import_probe_times_both_imports_from_a_child_that_had_not_imported_torch():
+    found = run_probe("probes.imports", {}, cache_dir=None, timeout=300)
+    assert found["torch_fresh"] is True
     assert found["import_torch_s"] > 0 and found["import_package_s"] > 0
-    assert found["imported"] == []
+    assert found["package_imported"] == []
 
 
-def test_each_goal_is_judged_and_printed():
-    rounds = RoundFigures(median_ms={"round_1": 0.1, "round_k": 0.6, "round_k_steps": 1.8, "floor_k": 0.25},
-                          p10_ms={}, p90_ms={}, build_s={"round_k": 100.0}, same_drafts={"round_k": True})
-    rounds.p10_ms = rounds.p90_ms = rounds.median_ms
-    result = StartupResult(preset="tiny8", k=8, threads=1, torch="2.13", processes=1, import_torch_s=2.0,
-                           import_package_s=0.2, package_imported=[], first_draft_s=2.4, first_draft_import_s=2.2,
-                           first_draft_imported=[], first_draft_packaged=True, rounds=rounds,
-                           ratios={"first_draft_vs_import_torch": 1.2, "round_k_vs_round_1": 6.0,
-                                   "round_k_vs_floor": 2.4, "round_k_steps_vs_round_k": 3.0,
-                                   "floor_k_vs_round_1": 2.5, "overhead_per_depth_us": 44.0},
-                           goals={"first_draft_vs_import_torch": True, "import_package_s": True,
-                                  "round_k_vs_round_1": False, "round_k_vs_floor": False})
-    record = dataclasses.asdict(result)
-    text = "\n".join(lines(record))
-    assert set(result.goals) == set(GOALS)
-    assert "round_k_vs_round_1                  6.00  goal <= 3.0: MISSED" in text
-    assert "first_draft_vs_import_torch         1.20  goal <= 1.3: met" in text
-    assert f"imported: none of {', '.join(HEAVY)}" in text
-    assert "GEMMs alone cost 2.50x the whole K = 1 round" in text and "44 us per depth" in text
+def test_the_table_prints_every_figure_and_no_verdict():
+    first = {"import_torch_s": 2.0, "import_package_s": 0.2, "package_imported": [], "torch_fresh": True,
+             "import_s": 2.2, "model_s": 0.05, "ready_s": 0.1, "prefill_s": 0.01, "first_draft_s": 0.04,
+             "to_first_draft_s": 2.4, "packaged": True, "imported": [], "dynamo_graphs": 0, "process_s": 2.5}
+    rounds = {name: Stats(ms, ms, ms, ms, 3) for name, ms in
+              {"round_1": 0.1, "round_k": 0.6, "round_k_steps": 1.8, "floor_k": 0.25}.items()}
+    result = Startup("tiny8", 8, 1, "2.13", 5, first, rounds, {"round_k": 100.0}, {"round_k": True}, "an empty one",
+                     {"first_draft_vs_import_torch": 1.2, "round_k_vs_round_1": 6.0, "floor_k_vs_round_1": 2.5,
+                      "overhead_per_depth_us": 44.0})
+    text = "\n".join(lines(dataclasses.asdict(result)))
+    assert "import torch (spawn to done)            2.00 s" in text and "0.200 s on top" in text
+    assert f"imported: none of {', '.join(HEAVY)}" in text and "round packaged: True" in text
+    assert "2.40 s after the spawn: imports 2.20 (torch 2.00)" in text
+    assert ["round_k", "0.6000", "0.6000-0.6000", "100.0", "s"] in [line.split() for line in text.splitlines()]
+    assert "round_k_vs_round_1                 6.00" in text and "round_k_vs_round_1's bound" in text
+    assert "44.00  (what the round adds to its GEMMs per depth" in text
+    assert "round_k's packaged round from an empty one" in text
+    assert "goal" not in text and "MISSED" not in text  # the verdicts are the goal table's (bench/report.py)
 
 
 def test_the_runner_judges_the_four_goals_from_the_section():
-    record = {"import_package_s": 0.2, "ratios": {"first_draft_vs_import_torch": 1.4, "round_k_vs_round_1": 2.5,
-                                                  "round_k_vs_floor": 1.5}}
+    record = {"first_draft": {"import_package_s": 0.2},
+              "ratios": {"first_draft_vs_import_torch": 1.4, "round_k_vs_round_1": 2.5, "round_k_vs_floor": 1.5}}
     result = {"settings": {"device": "cpu", "dtype": "float32"}, "startup": record}
     found = {g["id"]: g["met"] for g in report.evaluate_goals(result)}
     assert found["startup_first_draft_vs_import_torch"] is False and found["startup_import_package"] is True
