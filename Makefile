@@ -27,7 +27,8 @@ bench: $(VENV)/.installed
 	$(PY) -m bench run $(ARGS)
 
 # Where CI is set (.ci/run sets it) the `slow` tests run too; elsewhere `make test` leaves them out. TEST_WORKERS
-# pytest-xdist processes, a file each at a time (module fixtures built once): on CI's 2 cores the suite is mostly
+# pytest-xdist processes, a file each at a time (module fixtures built once; files sharing a costly session fixture
+# run together, heaviest first: tests/conftest.py): on CI's 2 cores the suite is mostly
 # one-threaded Python and compiles, so 2 workers keep both cores busy; TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 XDIST        := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from xdist.scheduler import LoadFileScheduling
 
 from inkling_compiled.model.torchao_schemes import quiet_import
 
@@ -27,6 +28,61 @@ def pytest_configure(config):
     turns the cache on for itself."""
     torch.set_num_threads(1)
     os.environ[round_cache.ENV_VAR] = "off"
+
+
+# `make test`'s pytest-xdist work units (--dist loadfile): a file each, except files that share a session fixture or an
+# on-disk build too costly to make twice (each worker would build its own, both at once): those run as one unit, in
+# one worker. Units start heaviest first (HEAVIEST_FIRST, measured cold on 2 cores), then by number of tests, so that
+# no long unit starts last while the other worker runs out of work.
+SHARED_UNITS = {
+    # compiled_k8 (compiled per process, FX graph cache off) and tiny8_distilled (tests/runtime/conftest.py)
+    "tests/runtime/test_drafter_depths.py": "tiny8",
+    "tests/runtime/test_lossless_compiled_depths.py": "tiny8",
+    "tests/runtime/test_multimodal.py": "tiny8",
+    # one 120-step distillation of tiny, cached on disk: built once, then read
+    "tests/runtime/test_lossless_compiled.py": "distilled-tiny",
+    "tests/runtime/test_quantized_drafting.py": "distilled-tiny",
+    # quick_distilled (tests/conftest.py)
+    "tests/training/test_distill.py": "quick-distilled",
+    "tests/bench/test_e2e.py": "quick-distilled",
+}
+HEAVIEST_FIRST = (  # seconds, cold, in one sequential run of the suite on 2 cores shared with two other jobs
+    "tiny8",  # 257: tiny8's distillation, the K = 8 compile
+    "distilled-tiny",  # 146: the distillation, the K = 1 compile
+    "tests/model/test_tensor_parallel.py",  # 135: 10 interpreters (gloo ranks, torchrun)
+    "tests/passes/test_fuse_draft_input.py",  # 131
+    "tests/runtime/test_drafter.py",  # 123
+    "tests/test_imports.py",  # 112: 6 interpreters
+    "tests/bench/test_bench_json.py",  # 89
+    "tests/passes/test_only_our_graphs.py",  # 57
+    "tests/passes/test_manager.py",  # 53
+    "tests/runtime/test_cached_round.py",  # 51
+    "tests/passes/test_real_model.py",  # 46
+    "tests/model/test_nan_isolation.py",  # 43
+    "tests/runtime/test_speculative.py",  # 42
+    "tests/training/test_text_target.py",  # 41
+)
+
+
+class SharedFixtureUnits(LoadFileScheduling):
+    """--dist loadfile with SHARED_UNITS' files together and HEAVIEST_FIRST's units handed out first."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = super()._split_scope(nodeid)
+        return SHARED_UNITS.get(path, path)
+
+    def _assign_work_unit(self, node) -> None:
+        heaviest = next((unit for unit in HEAVIEST_FIRST if unit in self.workqueue), None)
+        if heaviest is not None:
+            self.workqueue.move_to_end(heaviest, last=False)
+        super()._assign_work_unit(node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadfile":
+        return SharedFixtureUnits(config, log)
+    return None
 
 
 @pytest.fixture(scope="session")

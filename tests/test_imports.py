@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = (REPO / "inkling_compiled", REPO / "bench")
 
@@ -83,18 +85,6 @@ def test_the_package_and_the_benchmark_have_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_importing_the_package_loads_no_training_testing_or_benchmark_code():
-    code = "import json, sys, inkling_compiled; print(json.dumps(sorted(sys.modules)))"
-    env = {k: v for k, v in os.environ.items() if k != "INKLING_COMPILED_PASSES"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    loaded = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "inkling_compiled.passes" in loaded  # (what the package does import: its passes, installed)
-    tooling = [m for m in loaded if m.startswith(("inkling_compiled.training", "inkling_compiled.testing", "bench.",
-                                                  "tests.")) or m in ("inkling_compiled.generate", "bench", "tests")]
-    assert tooling == []
-
-
 # ------------------------------------------------------------------------------------------------ what importing costs
 # The lazy boundary (docs/architecture.md, "What importing costs"): the package and its runtime import neither
 # Inductor, Dynamo nor transformers; the passes still reach every Inductor compile, through an import hook.
@@ -102,19 +92,69 @@ def test_importing_the_package_loads_no_training_testing_or_benchmark_code():
 HEAVY = ("torch._inductor", "torch._dynamo", "transformers")
 
 
+def _run(code: str, *args: str, **env) -> subprocess.CompletedProcess:
+    """A fresh interpreter running ``code`` with ``args``; it must succeed."""
+    environment = {k: v for k, v in os.environ.items() if k != "INKLING_COMPILED_PASSES"} | env
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=environment, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def _fresh(code: str, **env) -> dict:
     """The JSON a fresh interpreter prints last after running ``code``."""
-    environment = {k: v for k, v in os.environ.items() if k != "INKLING_COMPILED_PASSES"} | env
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(_run(code, **env).stdout.strip().splitlines()[-1])
 
 
-def test_importing_the_package_and_runtime_imports_no_compiler_and_no_transformers():
-    loaded = _fresh("import json, sys, inkling_compiled, inkling_compiled.runtime, inkling_compiled.passes; "
-                    "print(json.dumps(sorted(sys.modules)))")
+# One interpreter for four facts, in the order that keeps each one clean: the modules ``import inkling_compiled``
+# loads, then those its runtime and passes add, then what installing the passes imports, then (last: it imports
+# transformers) loading a transformers target.
+_IMPORTS = """
+import json, sys
+import inkling_compiled
+package = sorted(sys.modules)
+import inkling_compiled.runtime, inkling_compiled.passes as p
+runtime = sorted(sys.modules)
+p.install()
+install = [p.installed(), "torch._inductor.pattern_matcher" in sys.modules]
+from inkling_compiled.testing.synthetic import load_hf_target
+load_hf_target(sys.argv[1])
+print(json.dumps({"package": package, "runtime": runtime, "install": install}))
+"""
+
+
+@pytest.fixture(scope="module")
+def imports(tiny_checkpoint) -> dict:
+    """What ``_IMPORTS`` found, and the interpreter's whole stderr (``"stderr"``)."""
+    done = _run(_IMPORTS, str(tiny_checkpoint), TRANSFORMERS_VERBOSITY="error")
+    return json.loads(done.stdout.strip().splitlines()[-1]) | {"stderr": done.stderr}
+
+
+def test_importing_the_package_loads_no_training_testing_or_benchmark_code(imports):
+    loaded = imports["package"]
+    assert "inkling_compiled.passes" in loaded  # (what the package does import: its passes, installed)
+    tooling = [m for m in loaded if m.startswith(("inkling_compiled.training", "inkling_compiled.testing", "bench.",
+                                                  "tests.")) or m in ("inkling_compiled.generate", "bench", "tests")]
+    assert tooling == []
+
+
+def test_importing_the_package_and_runtime_imports_no_compiler_and_no_transformers(imports):
+    loaded = imports["runtime"]
     assert [m for m in loaded if m.split(".")[0] == "transformers" or m.startswith(HEAVY[:2])] == []
+
+
+def test_installing_the_passes_imports_no_pattern_matcher(imports):
+    # (measured against whatever the package itself imports, so this stays about the passes; moved here from
+    # tests/passes/test_manager.py to share the interpreter)
+    installed, matcher = imports["install"]
+    assert installed and (not matcher or "torch._inductor.pattern_matcher" in imports["package"])
+
+
+def test_loading_a_transformers_target_prints_no_torchao_import_lines(imports):
+    """transformers imports torchao (when installed) with its model classes; torchao then logs a load failure per
+    CUDA-only extension on a CPU build and torch a pytree deprecation: noise our loaders hold back."""
+    stderr = imports["stderr"]
+    assert "torchao" not in stderr and "_pytree" not in stderr, stderr
 
 
 _SLOT = ("import json, sys, torch, inkling_compiled.passes as p; {before}"
@@ -144,15 +184,3 @@ def test_building_the_manager_first_installs_that_manager_and_its_uuid_is_the_ve
             "from torch._inductor import config; print(json.dumps([v == m.uuid(), "
             "config.post_grad_custom_post_pass is m]))")
     assert _fresh(code) == [True, True]
-
-
-def test_loading_a_transformers_target_prints_no_torchao_import_lines(tiny_checkpoint):
-    """transformers imports torchao (when installed) with its model classes; torchao then logs a load failure per
-    CUDA-only extension on a CPU build and torch a pytree deprecation: noise our loaders hold back."""
-    code = ("import json; from inkling_compiled.testing.synthetic import load_hf_target; "
-            f"load_hf_target({str(tiny_checkpoint)!r}); print(json.dumps(0))")
-    environment = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "torchao" not in done.stderr and "_pytree" not in done.stderr, done.stderr

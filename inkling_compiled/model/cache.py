@@ -72,19 +72,21 @@ class MTPCache:
             return torch.zeros(batch_size, slots, *shape, dtype=dtype, device=device)
 
         try:
-            key_positions = torch.arange(slots, device=device)
-            self.depths = [
-                DepthCache(
+            buffers = [
+                dict(
                     k=buf(g.num_kv_heads, g.head_dim),
                     v=buf(g.num_kv_heads, g.head_dim),
                     conv_k=buf(g.num_kv_heads * g.head_dim),
                     conv_v=buf(g.num_kv_heads * g.head_dim),
                     conv_attn=buf(config.hidden_size),
                     conv_mlp=buf(config.hidden_size),
-                    key_positions=key_positions,
                 )
                 for g in config.depths
             ]
+            # after the buffers: a cache too large to allocate fails there, before max_length + 1 positions are filled
+            # (an 8 GB arange, seconds, for a max_length of 1e9)
+            key_positions = torch.arange(slots, device=device)
+            self.depths = [DepthCache(**b, key_positions=key_positions) for b in buffers]
         except RuntimeError as e:  # torch.OutOfMemoryError too: name the sizes, not the allocator's internals
             # a size past what torch can index fails before allocating ("Storage size calculation overflowed")
             if not any(word in str(e) for word in ("alloc", "overflow")) and not isinstance(e, torch.OutOfMemoryError):
