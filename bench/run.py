@@ -104,8 +104,8 @@ def _positive_ints(p: argparse.ArgumentParser, flag: str, value: str) -> tuple[i
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     sections = "; ".join(f"{s.name} ({s.help})" for s in SECTIONS)
-    p.add_argument("--full", action="store_true", help="every section and part, with longer timings (about 15 "
-                   "minutes on 2 cores; default: the headline figures in about 3)")
+    p.add_argument("--full", action="store_true", help="every section and part, with longer timings (tens of "
+                   "minutes on 2 cores; default: the headline figures in under 2 once a first run built its rounds)")
     p.add_argument("--quick", action="store_true", help="few iterations everywhere (a smoke test; rough numbers)")
     p.add_argument("--only", default="", metavar="SECTIONS", help="run only these sections (each even where it is off "
                    f"by default): {sections}")
