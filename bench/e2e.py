@@ -158,7 +158,7 @@ def hf_pooled(rounds: list[list[int]], depths: int) -> dict:
             "acceptance_per_position": [sum(r[1] > j for r in drafting) / n for j in range(depths)]}
 
 
-def interleaved(methods: dict, inputs: list[tuple], tag: str = "e2e") -> dict[str, dict]:
+def interleaved(methods: dict, inputs: list[tuple], tag: str = "e2e", compiled: bool = True) -> dict[str, dict]:
     """Each method's seconds over ``inputs`` (argument tuples) and its outputs in order, after one untimed warm-up
     each (``warmup_s``; last method first: a K > 1 round packaged on first use leaves the compiled drafters warmed
     before it to compile again); the methods take turns input by input (order rotating), so drift on a shared
@@ -167,7 +167,7 @@ def interleaved(methods: dict, inputs: list[tuple], tag: str = "e2e") -> dict[st
     names = list(methods)
     with torch.no_grad():
         for name, fn in reversed(methods.items()):
-            packs = "_k" in name and "eager" not in name and not name.endswith("_k1")  # a CPU round from round_cache
+            packs = compiled and "_k" in name and "eager" not in name and not name.endswith("_k1")  # round_cache's
             progress(f"{tag}: {label(name)}: warm-up" + (" (where this machine's round cache lacks its rounds, "
                                                          "it packages them first: minutes, once)" if packs else ""))
             start = time.perf_counter()
@@ -237,7 +237,7 @@ class E2EConfig:
     eager: bool = True  # our eager drafter at K = 1 beside the compiled ones
     target_loop: bool = True
     round_seconds: float = 0.0  # of draft-round timing per K and window; 0: none
-    cold_compile: tuple[int, ...] = ()  # the Ks whose drafter compiles in a fresh process
+    cold_compile: bool = False  # the smallest and largest K's drafters compiled in fresh processes (with rounds)
     batches: tuple[int, ...] = ()  # the left-padded batches, per row and lockstep; (): none
     contexts: tuple[int, ...] = (64,)  # the rollback outside the loop
     threads: int = 1
@@ -314,7 +314,7 @@ def run_e2e(checkpoint, cfg: E2EConfig | None = None, *, prompts: torch.Tensor |
         drafters.setdefault("ours_eager_k1", drafter(1, False))
     methods = {"target": alone, **({"target_loop": loop} if cfg.target_loop else {}),
                **({"hf_mtp": transformers_mtp} if cfg.hf_mtp else {}), **{n: ours(d) for n, d in drafters.items()}}
-    figures = interleaved(methods, [(prompts[i:i + 1],) for i in range(cfg.prompts)])
+    figures = interleaved(methods, [(prompts[i:i + 1],) for i in range(cfg.prompts)], compiled=cfg.compiled)
     record = E2E(target_label or f"distilled checkpoint {checkpoint}", str(checkpoint), cfg.prompts,
                  prompts.shape[1], new, text.num_mtp_layers, distill=distill_metrics)
     base, hf_s = figures["target"]["seconds"], figures.get("hf_mtp", {}).get("seconds")
@@ -338,7 +338,8 @@ def run_e2e(checkpoint, cfg: E2EConfig | None = None, *, prompts: torch.Tensor |
                 (one, one_cpu), (full, full_cpu) = (round_latency(d, rows, cfg.round_seconds) for rows in (1, k + 1))
                 record.rounds[str(k)] = {"one_row_ms": one, "one_row_cpu_ms": one_cpu, "all_rows_ms": full,
                                          "all_rows_cpu_ms": full_cpu, "cold_compile": None}
-        _cold_compiles(record, checkpoint, [k for k in cfg.cold_compile if str(k) in record.rounds], cfg.threads)
+        if cfg.cold_compile and record.rounds:
+            _cold_compiles(record, checkpoint, sorted({min(ks), max(ks)}), cfg.threads)
         if cfg.batches:
             record.batched = _batched(target, {k: drafters[f"ours_{kind}_k{k}"] for k in ks}, ours, alone, prompts,
                                       cfg, record.methods)
@@ -353,7 +354,7 @@ def _batched(target, drafters: dict, ours, alone, prompts, cfg: E2EConfig, batch
         records = {k: {"forward": [], "rollback": [], "ragged": []} for k in drafters}
         methods = {"target": alone, **{f"{mode}_k{k}": ours(d, mode == "lockstep", records[k] if mode == "per_row"
                                                             else None) for k, d in drafters.items() for mode in MODES}}
-        figures = interleaved(methods, groups, f"e2e batch {batch}")
+        figures = interleaved(methods, groups, f"e2e batch {batch}", cfg.compiled)
         tokens = len(prompts[:PADDED_PROMPTS]) * cfg.new_tokens
         found["target"][str(batch)] = tokens / figures["target"]["seconds"]
         reference = [out for out, _ in figures["target"]["outputs"]]
@@ -397,12 +398,12 @@ def _cold_compiles(record: E2E, checkpoint, ks: list[int], threads: int) -> None
 
 def measure(ctx: Context) -> E2E:
     s, target = ctx.settings, ctx.e2e_target()
-    sweep, cold, batched = (s.runs(part) and s.device == "cpu" for part in ("ksweep", "kcompile", "perrow"))
+    sweep, batched = (s.runs(part) and s.device == "cpu" for part in ("ksweep", "perrow"))
     ks = tuple(sorted({*s.e2e_ks, *s.ks})) if sweep else s.e2e_ks
     cfg = E2EConfig(ks=ks, prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, compiled=s.runs("compiled"),
                     hf_mtp=s.runs("peer"), eager=s.runs("e2e_eager"), target_loop=s.runs("target_loop"),
                     round_seconds=s.k_seconds if sweep else 0.0, threads=s.threads,
-                    cold_compile=tuple(sorted({min(ks), max(ks)})) if cold else (), batches=(4, 8) if batched else ())
+                    cold_compile=sweep and s.runs("kcompile"), batches=(4, 8) if batched else ())
     # every K in the batches too (the K sweep's batch-4 figures); a K > 1 packages each bucket's round on a machine's
     # first --full run (minutes each on 2 cores), later runs load them
     return run_e2e(target.checkpoint, cfg, prompts=target.prompts, target_label=target.label,

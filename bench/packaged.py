@@ -84,8 +84,7 @@ def latency(models: Models, batch: int, context: int, max_length: int, package: 
         drafters["packaged_cudagraph"] = Drafter.load_compiled(package, models.mtp, cuda_graphs=True)
     variants, drafts = {}, {}
     for name, drafter in drafters.items():
-        S.prefill(models, drafter, inputs)
-        variants[name] = S.step_fn(drafter, inputs)
+        variants[name] = S.prefill(models, drafter, inputs)
         drafts[name] = drafter.draft(inputs.ids, inputs.positions, inputs.hidden).drafts  # compiles, captures
     if models.device.type == "cpu":
         for name in ("compiled", "packaged"):

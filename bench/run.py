@@ -63,9 +63,8 @@ PARTS = {"kernels": "generated-code counts, stock vs passes (--full)", "stock": 
          "(--full)", "compiled": "every compiled variant", "cudagraph": "the CUDA-graph variant (CUDA)",
          "peer": "transformers' MtpModel and generate(use_mtp=True)", "floor": "the GEMM-only floor",
          "ksweep": "e2e at every K of --ks, batch 1, and their draft rounds (--full)",
-         "kcompile": "the e2e Ks' cold compiles in fresh processes, smallest and largest (--full)",
-         "perrow": "e2e batches 4 and 8 at the smallest and largest K, per row vs lockstep, the rollback's "
-         "cost (--full)",
+         "kcompile": "the e2e Ks' cold compiles in fresh processes, smallest and largest (--full, with ksweep)",
+         "perrow": "e2e batches 4 and 8 at every K, per row vs lockstep, the rollback's cost (--full)",
          "kround_choices": "the K = 8 round compiled as one graph, beside the cached packaged one (--full)"}
 # option: (--quick, default, --full)
 COUNTS = {"time_budget": (2.0, 6.0, 20.0), "recompile_steps": (3, 10, 20), "e2e_prompts": (1, 2, 4),
@@ -152,8 +151,8 @@ def parse_args(argv=None) -> Settings:
     s.skip = _names(p, "--skip", s.skip, [*section_names, *PARTS])
     s.with_ = _names(p, "--with", s.with_, list(OPT_IN))
     s.only = _names(p, "--only", s.only, section_names)
-    if s.with_ & s.skip:
-        p.error(f"section(s) both skipped and asked for with --with: {sorted(s.with_ & s.skip)}")
+    if (s.with_ | s.only) & s.skip:
+        p.error(f"section(s) both skipped and asked for with --with / --only: {sorted((s.with_ | s.only) & s.skip)}")
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False")
     level = 0 if s.quick else 2 if s.full else 1

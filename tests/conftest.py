@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-from xdist.scheduler import LoadFileScheduling
 
 from inkling_compiled.model.torchao_schemes import quiet_import
 
@@ -64,25 +63,24 @@ HEAVIEST_FIRST = (  # seconds, cold, in one sequential run of the suite on 2 cor
 )
 
 
-class SharedFixtureUnits(LoadFileScheduling):
-    """--dist loadfile with SHARED_UNITS' files together and HEAVIEST_FIRST's units handed out first."""
-
-    def _split_scope(self, nodeid: str) -> str:
-        path = super()._split_scope(nodeid)
-        return SHARED_UNITS.get(path, path)
-
-    def _assign_work_unit(self, node) -> None:
-        heaviest = next((unit for unit in HEAVIEST_FIRST if unit in self.workqueue), None)
-        if heaviest is not None:
-            self.workqueue.move_to_end(heaviest, last=False)
-        super()._assign_work_unit(node)
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") == "loadfile":
-        return SharedFixtureUnits(config, log)
-    return None
+    """--dist loadfile with SHARED_UNITS' files together and HEAVIEST_FIRST's units handed out first (xdist is
+    imported only where it runs: `pytest -p no:xdist` and `TEST_WORKERS=0` need none)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureUnits(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_UNITS.get(path, path)
+
+        def _assign_work_unit(self, node) -> None:
+            heaviest = next((unit for unit in HEAVIEST_FIRST if unit in self.workqueue), None)
+            if heaviest is not None:
+                self.workqueue.move_to_end(heaviest, last=False)
+            super()._assign_work_unit(node)
+
+    return SharedFixtureUnits(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 @pytest.fixture(scope="session")

@@ -130,8 +130,10 @@ class DraftSource(Protocol):
     sequence's last real row; ``draft_probs`` must be given when ``temperature > 0``. The loop validates its inputs
     up front against ``max_batch_size`` and ``max_length`` and then calls ``draft(..., validate=False)``. A drafter
     with a ``model`` attribute (an ``InklingMTP``) has its device, dtype, vocabulary and hidden size checked against
-    the target too. Only multimodal prompts pass ``inputs_embeds`` (the rows in place of the tokens' embeddings,
-    docs/model.md §7); text-only drafters may leave it out of their signature.
+    the target too. A drafter other than :class:`Drafter` has every round's result checked: drafts [B, K] of ids in
+    the target's vocabulary, and when sampling ``draft_probs`` [B, K, V]. Only multimodal prompts pass
+    ``inputs_embeds`` (the rows in place of the tokens' embeddings, docs/model.md §7); text-only drafters may leave it
+    out of their signature.
     """
 
     max_batch_size: int

@@ -467,7 +467,7 @@ def _with_proposals(live: _Live, result, decoding: Decoding, batch: _Batch, gene
     """``live`` with the drafts of ``result`` (its rows' own), processed like the target's (``draft_scores``)."""
     drafts, q = _proposals(result, live.rows.device)
     if batch.checked_vocab is not None:
-        _check_proposals(drafts, q, len(batch.counts), batch.k, batch.checked_vocab)
+        _check_proposals(drafts, None if decoding.greedy else q, len(batch.counts), batch.k, batch.checked_vocab)
     drafts, q = drafts[live.rows], None if q is None else q[live.rows]
     if not decoding.greedy:
         if q is None:
@@ -627,7 +627,7 @@ def _proposals(result: DraftResult, device) -> tuple[torch.Tensor, torch.Tensor 
 
 def _check_proposals(drafts: torch.Tensor, q: torch.Tensor | None, batch: int, k: int, vocab: int) -> None:
     """A drafter of the caller's own: drafts [B, K] of ids the target can embed (an id out of range would index
-    past its embedding table), distributions [B, K, V]."""
+    past its embedding table), and when sampling, distributions [B, K, V]."""
     if drafts.dim() != 2 or tuple(drafts.shape) != (batch, k):
         raise ValueError(f"the drafter returned drafts of shape {tuple(drafts.shape)}, expected [{batch}, {k}]")
     low, high = (int(v) for v in torch.aminmax(drafts)) if drafts.numel() else (0, 0)

@@ -100,6 +100,7 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated"),
     (["--with", "latency"], "--with: unknown name(s) ['latency']; choose from quant"),
     (["--with", "quant", "--skip", "quant"], "both skipped and asked for"),
+    (["--only", "e2e", "--skip", "e2e"], "both skipped and asked for with --with / --only: ['e2e']"),
     (["--ks", "1,two"], "--ks must be comma-separated integers, got '1,two'"),
     (["--e2e-ks", "0,4"], "each >= 1, got '0,4'"),
     (["--tp-world-sizes", "1,0"], "--tp-world-sizes must name one or more integers, each >= 1, got '1,0'")])

@@ -491,6 +491,22 @@ def test_a_custom_drafters_impossible_drafts_are_named(target, change, match):
         speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
 
 
+def test_a_custom_drafters_probs_are_checked_when_sampling_only(target):
+    """Greedy decoding never reads draft_probs; sampling indexes them by the target's vocabulary."""
+    def short_probs(result):
+        return {"draft_probs": torch.full((1, 1, 100), 0.01)}
+
+    def uniform(history, position):
+        return torch.full((120,), 1 / 120)
+
+    ids = torch.randint(1, 100, (1, 4))
+    speculative_generate(target, BadDrafts(120, max_batch_size=1, max_length=12, change=short_probs), ids,
+                         max_new_tokens=3)
+    drafter = BadDrafts(120, max_batch_size=1, max_length=12, change=short_probs, q_fn=uniform)
+    with pytest.raises(ValueError, match=r"draft_probs of shape \(1, 1, 100\), expected \[1, 1, 120\]"):
+        speculative_generate(target, drafter, ids, max_new_tokens=3, temperature=1.0)
+
+
 @pytest.mark.parametrize("overrides,match", [
     (dict(vocab_size=256, unpadded_vocab_size=250), "drafter logits vocabulary 250 != target logits vocabulary 120"),
     (dict(vocab_size=128, unpadded_vocab_size=120, hidden_size=32), "drafter hidden size 32 != target hidden size 64"),
