@@ -1,6 +1,5 @@
 """The GEMM-only floor: the matrix multiplies one eager step dispatches (recorded under a ``TorchDispatchMode``;
-those reading a parameter are *weight* GEMMs), replayed alone on fresh operands of the same layout with the same
-aten overloads (on CUDA from one CUDA graph, so launch gaps do not count)."""
+those reading a parameter are *weight* GEMMs), replayed alone with the same aten overloads."""
 
 from __future__ import annotations
 
@@ -12,15 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 aten = torch.ops.aten
-GEMM_OPS = {
-    aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm", aten.baddbmm.default: "baddbmm",
-    aten.mv.default: "mv", aten.addmv.default: "addmv", aten.dot.default: "dot",
-}
-# (M, N, K) of a 2-D GEMM, (batch, M, N, K) of a batched one, from its last two operands
-MNK = {"mm": lambda a, b: (a.shape[0], b.shape[1], a.shape[1]),
-       "bmm": lambda a, b: (a.shape[0], a.shape[1], b.shape[2], a.shape[2]),
-       "mv": lambda a, b: (a.shape[0], 1, a.shape[1]), "dot": lambda a, b: (1, 1, a.shape[0])}
-MNK.update(addmm=MNK["mm"], baddbmm=MNK["bmm"], addmv=MNK["mv"])
+GEMM_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.mv.default,
+            aten.addmv.default, aten.dot.default}
 
 
 def _empty(t: torch.Tensor, device) -> torch.Tensor:
@@ -30,17 +22,16 @@ def _empty(t: torch.Tensor, device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Gemm:
-    """One recorded call: the aten overload, its arguments (tensors as meta tensors of the same layout) and whether
-    a parameter is among the operands."""
+    """One recorded call: its aten overload and arguments (tensors as meta tensors of their layout)."""
 
     op: object  # torch._ops.OpOverload
     args: tuple
     kwargs: dict
-    weight: bool
+    weight: bool  # a parameter is among the operands
 
     @property
     def name(self) -> str:
-        return GEMM_OPS[self.op]
+        return self.op.name().removeprefix("aten::")
 
     @property
     def operands(self) -> list[torch.Tensor]:
@@ -48,7 +39,11 @@ class Gemm:
 
     @property
     def mnk(self) -> tuple[int, ...]:
-        return MNK[self.name](*self.operands[-2:])
+        """(M, N, K) of a 2-D GEMM (a vector operand is one row or column), (batch, M, N, K) of a batched one."""
+        a, b = self.operands[-2:]
+        if a.dim() == 3:
+            return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
+        return a.shape[0] if a.dim() == 2 else 1, b.shape[1] if b.dim() == 2 else 1, a.shape[-1]
 
 
 class _Recorder(TorchDispatchMode):
@@ -83,9 +78,8 @@ def summarize(gemms: list[Gemm]) -> list[dict]:
 
 
 class GemmFloor:
-    """Replays recorded GEMMs with fresh operands of the same layout: ``floor()`` runs them all once (``summary``:
-    :func:`summarize`). On CUDA the sequence is captured once as a CUDA graph, so the floor carries no launch
-    overhead."""
+    """``floor()`` runs the recorded GEMMs once on fresh operands of their layout (``summary``: :func:`summarize`);
+    on CUDA as one CUDA graph, so the floor carries no launch overhead."""
 
     def __init__(self, gemms: list[Gemm], device, seed: int = 0):
         self.device = torch.device(device)
@@ -99,18 +93,15 @@ class GemmFloor:
         self.calls = [(g.op, tree_map_only(torch.Tensor, fresh, g.args), tree_map_only(torch.Tensor, fresh, g.kwargs))
                       for g in gemms]
         if self.device.type == "cuda" and self.calls:
-            self._run()  # warm-up (cuBLAS handles, workspaces) before capture
+            self()  # warm-up (cuBLAS handles, workspaces) before capture
             torch.cuda.synchronize(self.device)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._run()
-
-    def _run(self) -> None:
-        for op, args, kwargs in self.calls:
-            op(*args, **kwargs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self()
+            self.graph = graph
 
     def __call__(self) -> None:
         if self.graph is not None:
-            self.graph.replay()
-        else:
-            self._run()
+            return self.graph.replay()
+        for op, args, kwargs in self.calls:
+            op(*args, **kwargs)

@@ -1,7 +1,6 @@
-"""The models a run compares, built once per (preset, device, dtype): ``checkpoint`` weights load the preset's seeded
-synthetic checkpoint into transformers and into ours (shared embedding / head, the very same weights); ``random``
-weights (the ``full`` default) build both on the device with random init. ``full`` keeps the real per-depth dims
-with 1 MTP depth and a 2-layer trunk."""
+"""The models a run compares: ``checkpoint`` weights load the preset's seeded synthetic checkpoint into transformers
+and into ours (shared embedding / head); ``random`` weights (the ``full`` default) build both on the device with
+random init. ``full`` keeps the real per-depth dims with 1 MTP depth and a 2-layer trunk."""
 
 from __future__ import annotations
 
@@ -15,10 +14,6 @@ from transformers.modeling_layers import MtpModel
 from inkling_compiled import InklingMTP, MTPConfig
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_mtp, load_hf_target, preset_config, randomize_
 from inkling_compiled.training.distill import distill
-
-
-def preset_overrides(preset: str) -> dict:
-    return dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2) if preset == "full" else {}
 
 
 @dataclass
@@ -48,41 +43,35 @@ class Models:
                 "mtp_parameters": sum(p.numel() for n, p in self.mtp.named_parameters() if n.startswith("layers."))}
 
 
-def _random_models(preset: str, device: torch.device, dtype: torch.dtype, peer: bool, seed: int) -> Models:
-    raw = preset_config(preset, **preset_overrides(preset))
-    hf_config = InklingConfig.from_dict(raw)
-    config = MTPConfig.from_hf(hf_config, raw=raw)
-    with torch.device("meta"):
-        mtp = InklingMTP(config)
-    mtp = mtp.to_empty(device=device).to(dtype)
-    randomize_(mtp, seed, mup=config.mup)  # the synthetic checkpoints' scales
-    target = hf_mtp = None
-    if peer:
-        torch.manual_seed(seed)
-        with torch.device(device):
-            target = InklingForConditionalGeneration._from_config(hf_config, dtype=dtype).eval().requires_grad_(False)
-            hf_mtp = MtpModel(target, hf_config.text_config.num_mtp_layers).to(dtype).eval().requires_grad_(False)
-    return Models(preset, "random", device, dtype, mtp.eval().requires_grad_(False), target, hf_mtp)
-
-
 def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str | None = None, peer: bool = True,
                 seed: int = 0) -> Models:
     """Build ``preset``'s models on ``device`` in ``dtype`` (see module doc); ``peer=False`` skips transformers."""
-    device = torch.device(device)
-    weights = weights or ("random" if preset == "full" else "checkpoint")
-    if weights == "random":
-        return _random_models(preset, device, dtype, peer, seed)
-    if weights != "checkpoint":
+    device, weights = torch.device(device), weights or ("random" if preset == "full" else "checkpoint")
+    if weights not in ("checkpoint", "random"):
         raise ValueError(f"weights must be 'checkpoint' or 'random', got {weights!r}")
-    path = cached_checkpoint(preset, seed=seed, **preset_overrides(preset))
-    target = hf_mtp = None
-    if peer:
-        target = load_hf_target(path, dtype=dtype).to(device).requires_grad_(False)
-        hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype).requires_grad_(False)
-        mtp = InklingMTP.from_pretrained(path, target=target)
+    overrides = dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2) if preset == "full" else {}
+    target = hf_mtp = path = None
+    if weights == "random":
+        raw = preset_config(preset, **overrides)
+        hf_config = InklingConfig.from_dict(raw)
+        if peer:
+            torch.manual_seed(seed)
+            with torch.device(device):
+                target = InklingForConditionalGeneration._from_config(hf_config, dtype=dtype)
+                hf_mtp = MtpModel(target, hf_config.text_config.num_mtp_layers).to(dtype)
+        with torch.device("meta"):
+            mtp = InklingMTP(MTPConfig.from_hf(hf_config, raw=raw))
+        mtp = randomize_(mtp.to_empty(device=device).to(dtype), seed, mup=mtp.config.mup)  # the checkpoints' scales
     else:
-        mtp = InklingMTP.from_pretrained(path, dtype=dtype, device=device)
-    return Models(preset, "checkpoint", device, dtype, mtp.eval(), target, hf_mtp, path)
+        path = cached_checkpoint(preset, seed=seed, **overrides)
+        if peer:
+            target = load_hf_target(path, dtype=dtype).to(device)
+            hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype)
+        mtp = InklingMTP.from_pretrained(path, dtype=dtype, device=device, target=target)  # shares the target's
+    if peer:
+        target.eval().requires_grad_(False)
+        hf_mtp.eval().requires_grad_(False)
+    return Models(preset, weights, device, dtype, mtp.eval().requires_grad_(False), target, hf_mtp, path)
 
 
 def distilled(preset: str = "tiny8", steps: int | None = None) -> Path:

@@ -1,6 +1,5 @@
-"""The ``multimodal`` section (``--full``; issue 24): image prompts, acceptance with the drafter's prefill fed the
-target's merged rows vs the placeholder ids, and the ``generate(custom_generate=...)`` wrapper's cost (what and why:
-docs/protocol.md §6.11)."""
+"""The ``multimodal`` section (``--full``; issue 24): acceptance on image prompts, the drafter's prefill fed the
+target's merged rows vs the placeholder ids; ``generate(custom_generate=...)``'s cost (docs/protocol.md §6.11)."""
 
 from __future__ import annotations
 
@@ -26,14 +25,11 @@ class Multimodal:
     image_patches: int
     new_tokens: int
     compiled: bool
-    acceptance_merged: list[float]
-    acceptance_placeholder: list[float]
-    mean_accepted_length_merged: float
-    mean_accepted_length_placeholder: float
-    same_tokens: bool
-    tokens_per_s_generate: float
-    tokens_per_s_speculative: float
-    wrapper_cost: float
+    acceptance: dict[str, list[float]]  # per drafter prefill, "merged" / "placeholder": per position
+    mean_accepted_length: dict[str, float]
+    same_tokens: bool  # both prefills' tokens are greedy generate's
+    tokens_per_s: dict[str, float]  # "generate" (its custom_generate=) / "speculative" (speculative_generate)
+    wrapper_cost: float  # median over the pairs of generate's seconds / speculative's, minus 1
     pairs: int
     timer: str
 
@@ -66,19 +62,19 @@ def paired_seconds(calls: dict, device: torch.device, budget_s: float, min_pairs
     after one untimed call of each: thread CPU time on CPU, synchronized wall time on CUDA."""
     timer = time.thread_time if device.type == "cpu" else time.perf_counter
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    found, pairs = {name: [] for name in calls}, 0
+    names, found = list(calls), {name: [] for name in calls}
     with torch.no_grad():
         for call in calls.values():
             call()
         end = time.perf_counter() + budget_s
-        while time.perf_counter() < end or pairs < min_pairs:
-            for name in list(calls)[::-1 if pairs % 2 else 1]:
+        while time.perf_counter() < end or len(found[names[0]]) < min_pairs:
+            for name in names:
                 sync()
                 start = timer()
                 calls[name]()
                 sync()
                 found[name].append(timer() - start)
-            pairs += 1
+            names.reverse()
     return found
 
 
@@ -97,8 +93,7 @@ def run_multimodal(checkpoint, text: list[torch.Tensor], *, k: int = 8, new_toke
             for name, d in (("merged", drafter), ("placeholder", PlaceholderDrafter(drafter)))}
 
     progress(f"multimodal: generate(custom_generate=...) vs speculative_generate, one image prompt (~{budget_s:.0f} s)")
-    one = ids[:1, int((mask[0] == 0).sum()):]  # the first prompt alone, unpadded, and its image
-    one_pixels = pixels[:patches]
+    one, one_pixels = ids[:1, int((mask[0] == 0).sum()):], pixels[:patches]  # the first prompt, unpadded, its image
     seconds = paired_seconds({
         "generate": lambda: target.generate(one, pixel_values=one_pixels, custom_generate=custom_generate,
                                             drafter=drafter, **greedy),
@@ -107,22 +102,18 @@ def run_multimodal(checkpoint, text: list[torch.Tensor], *, k: int = 8, new_toke
     return Multimodal(
         checkpoint=str(checkpoint), k=drafter.num_speculative_tokens, prompts=len(text), image_patches=patches,
         new_tokens=new_tokens, compiled=compile,
-        acceptance_merged=runs["merged"].acceptance_per_position,
-        acceptance_placeholder=runs["placeholder"].acceptance_per_position,
-        mean_accepted_length_merged=runs["merged"].mean_accepted_length,
-        mean_accepted_length_placeholder=runs["placeholder"].mean_accepted_length,
+        acceptance={name: out.acceptance_per_position for name, out in runs.items()},
+        mean_accepted_length={name: out.mean_accepted_length for name, out in runs.items()},
         same_tokens=all(torch.equal(out.sequences, reference) for out in runs.values()),
-        tokens_per_s_generate=new_tokens / statistics.median(seconds["generate"]),
-        tokens_per_s_speculative=new_tokens / statistics.median(seconds["speculative"]),
+        tokens_per_s={name: new_tokens / statistics.median(s) for name, s in seconds.items()},
         wrapper_cost=statistics.median(g / s for g, s in zip(seconds["generate"], seconds["speculative"])) - 1.0,
         pairs=len(seconds["generate"]), timer="thread CPU time" if mtp.device.type == "cpu" else "wall")
 
 
 def measure(ctx: Context) -> Multimodal:
     s, target = ctx.settings, ctx.e2e_target()
-    gen = torch.Generator().manual_seed(0)
-    text = list(target.prompts[:4]) if target.prompts is not None else [
-        torch.randint(8, 256, (24,), generator=gen) for _ in range(4)]
+    text = list(target.prompts[:4]) if target.prompts is not None else list(
+        torch.randint(8, 256, (4, 24), generator=torch.Generator().manual_seed(0)))
     return run_multimodal(target.checkpoint, text, k=max(s.e2e_ks), new_tokens=min(32, s.e2e_tokens),
                           compile=s.runs("compiled"), budget_s=s.time_budget)
 
@@ -130,11 +121,11 @@ def measure(ctx: Context) -> Multimodal:
 def lines(result: dict) -> list[str]:
     rows = [["drafter prefill", "acceptance per position", "mean accepted length"]]
     for name, label in (("merged", "merged rows (ours)"), ("placeholder", "placeholder ids")):
-        rows.append([label, " ".join(f"{a:.2f}" for a in result[f"acceptance_{name}"]),
-                     f"{result[f'mean_accepted_length_{name}']:.2f}"])
+        rows.append([label, " ".join(f"{a:.2f}" for a in result["acceptance"][name]),
+                     f"{result['mean_accepted_length'][name]:.2f}"])
     return [f"image prompts ({result['prompts']} x {result['image_patches']} patches, K = {result['k']}, "
             f"{result['new_tokens']} new tokens, drafter {'compiled' if result['compiled'] else 'eager'}; same tokens "
             f"as greedy generate: {yes(result['same_tokens'])})", *table(rows, "  "),
-            f"  generate(custom_generate=...) {result['tokens_per_s_generate']:.1f} tok/s vs speculative_generate "
-            f"{result['tokens_per_s_speculative']:.1f} tok/s ({result['timer']}): wrapper cost "
+            f"  generate(custom_generate=...) {result['tokens_per_s']['generate']:.1f} tok/s vs speculative_generate "
+            f"{result['tokens_per_s']['speculative']:.1f} tok/s ({result['timer']}): wrapper cost "
             f"{result['wrapper_cost']:+.1%} (median of {result['pairs']} pairs; goal < 2 %)"]

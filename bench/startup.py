@@ -1,6 +1,5 @@
 """The ``startup`` section (CPU, issue 26): fresh processes from their spawn through ``import torch`` and ``import
-inkling_compiled`` to their first packaged draft; the K-depth round's variants timed together (docs/compile.md
-§12.1)."""
+inkling_compiled`` to their first packaged draft; the K-depth round's variants timed (docs/compile.md §12.1)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import itertools
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
@@ -43,7 +42,7 @@ class Startup:
     build_s: dict[str, float]  # a variant's build, prefill and first round
     same_drafts: dict[str, bool]  # each K-depth variant's drafts over the same rows equal the compiled steps'
     round_cache: str  # where round_k's packaged round came from
-    ratios: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, float]
 
 
 def _medians(rows: list[dict]) -> dict:
@@ -54,8 +53,7 @@ def _medians(rows: list[dict]) -> dict:
 
 
 def _rounds(drafter: Drafter, rows):
-    """``drafter``'s round on one new row of ``rows`` per call, positions advancing from ``CONTEXT``, starting over
-    before the cache's end."""
+    """``drafter``'s round on the next row of ``rows`` per call from ``CONTEXT`` on, starting over at their end."""
     calls = itertools.cycle([[t[:, p:p + 1] for t in rows] for p in range(CONTEXT, rows[0].shape[1])])
     return lambda: drafter.draft(*next(calls), validate=False)
 
@@ -69,15 +67,16 @@ def _one_graph_round(drafter: Drafter) -> Drafter:
     return drafter
 
 
+@torch.no_grad()
 def _round_variants(mtp: InklingMTP, choices: bool, budget_s: float) -> tuple[dict, dict, dict]:
     """Each variant built and its first round run untimed, the drafts compared over 400 rounds, then all timed."""
+    rows = random_rows(mtp, 1, 0, MAX_LENGTH - 1, torch.Generator().manual_seed(0))
+
     def drafter(k: int, **kwargs) -> Drafter:
         d = Drafter(mtp, 1, MAX_LENGTH, num_speculative_tokens=k, graph_rows=(k,), **kwargs)
-        with torch.no_grad():
-            mtp(*(t[:, :CONTEXT] for t in rows), cache=d.cache, depth=0)
+        mtp(*(t[:, :CONTEXT] for t in rows), cache=d.cache, depth=0)
         return d
 
-    rows = random_rows(mtp, 1, 0, MAX_LENGTH - 1, torch.Generator().manual_seed(0))
     builders = {"round_1": lambda: drafter(1), "round_k": lambda: drafter(K),
                 "round_k_steps": lambda: drafter(K, cached_rounds=False)}
     if choices:
@@ -86,12 +85,10 @@ def _round_variants(mtp: InklingMTP, choices: bool, budget_s: float) -> tuple[di
     for name, build in builders.items():
         progress(f"startup: {name} (built and first run untimed)")
         start = time.perf_counter()
-        with torch.no_grad():
-            variants[name] = _rounds(build(), rows)
-            variants[name]()
+        variants[name] = _rounds(build(), rows)
+        variants[name]()
         build_s[name] = time.perf_counter() - start
-    with torch.no_grad():
-        drafts = {name: [variants[name]().drafts.clone() for _ in range(400)] for name in variants if name != "round_1"}
+    drafts = {name: [variants[name]().drafts.clone() for _ in range(400)] for name in variants if name != "round_1"}
     same = {name: all(map(torch.equal, d, drafts["round_k_steps"])) for name, d in drafts.items()}
     eager = _rounds(drafter(K, compile=False), rows)
     variants["floor_k"] = GemmFloor(record_gemms(eager, mtp.parameters())[0], mtp.device)
@@ -102,8 +99,7 @@ def _round_variants(mtp: InklingMTP, choices: bool, budget_s: float) -> tuple[di
 def measure(ctx: Context) -> Startup:
     """The round variants first (they leave the K-depth round in a fresh disk cache), then the fresh processes."""
     s = ctx.settings
-    processes = 3 if s.quick else 5
-    checkpoint = cached_checkpoint(PRESET)
+    processes, checkpoint = 3 if s.quick else 5, cached_checkpoint(PRESET)
     args = {"checkpoint": str(checkpoint), "device": "cpu", "dtype": "float32", "batch": 1, "k": K,
             "context": CONTEXT, "max_length": MAX_LENGTH, "threads": s.threads}
     # --full builds the packaged round into an empty cache (its build time is a figure); the default run reads the
@@ -116,13 +112,11 @@ def measure(ctx: Context) -> Startup:
         for i in range(processes):
             progress(f"startup: fresh process {i + 1}/{processes} to its first packaged draft")
             first.append(run_probe("probes.first_draft", args, cache_dir=None, timeout=s.probe_timeout))
-    record = Startup(PRESET, K, s.threads, torch.__version__, processes, _medians(first), rounds, build_s, same,
-                     "an empty directory" if s.full else "the disk cache (a first run builds it)")
-    med, fresh = {name: v.median_ms for name, v in rounds.items()}, record.first_draft
-    record.ratios = {"first_draft_vs_import_torch": fresh["to_first_draft_s"] / fresh["import_torch_s"],
-                     **ratios(med, RATIOS),
-                     "overhead_per_depth_us": 1e3 * (med["round_k"] - med["floor_k"]) / K}
-    return record
+    fresh, med = _medians(first), {name: v.median_ms for name, v in rounds.items()}
+    found = {"first_draft_vs_import_torch": fresh["to_first_draft_s"] / fresh["import_torch_s"], **ratios(med, RATIOS),
+             "overhead_per_depth_us": 1e3 * (med["round_k"] - med["floor_k"]) / K}
+    return Startup(PRESET, K, s.threads, torch.__version__, processes, fresh, rounds, build_s, same,
+                   "an empty directory" if s.full else "the disk cache (a first run builds it)", found)
 
 
 def lines(out: dict) -> list[str]:

@@ -18,8 +18,7 @@ from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.distributed import run_ranks
 from inkling_compiled.testing.synthetic import cached_checkpoint, preset_config
 
-FULL_WORLD = 8
-PRESET, ROUNDS, QUICK_ROUNDS = "small", 20, 5
+PRESET, ROUNDS, QUICK_ROUNDS, FULL_WORLD = "small", 20, 5, 8
 COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"}
 BF16 = 2  # bytes
 
@@ -39,9 +38,7 @@ class RankRun:
 
 
 @dataclass
-class FullSize:
-    """Computed for the full config (bf16, batch 1) from the shapes alone."""
-
+class FullSize:  # the full config's, bf16, batch 1, from the shapes alone
     world_size: int
     depths: int
     window_rows: int  # rows each depth runs over in a K-depth decode round (K after a rejection)
@@ -84,8 +81,7 @@ def parameter_bytes(model: InklingMTP) -> int:
 
 
 def _rounds(model: InklingMTP, batch: int, rounds: int, temperature: float):
-    """A prefill of 8 rows, then ``rounds`` decode rounds of one new row (eager drafter): (drafts, median seconds per
-    round, the bytes and collectives of the last round)."""
+    """A prefill of 8 rows, then ``rounds`` one-row rounds: (drafts, median s per round, the last round's counts)."""
     gen, drafter, config = torch.Generator().manual_seed(0), Drafter(model, batch, 64, compile=False), model.config
     ids = torch.randint(0, config.logits_vocab_size, (batch, 8 + rounds), generator=gen)
     hidden = torch.randn(batch, 8 + rounds, config.hidden_size, generator=gen)
@@ -103,26 +99,25 @@ def _rounds(model: InklingMTP, batch: int, rounds: int, temperature: float):
 
 
 def _measure_rank(mesh, path, batch: int, rounds: int, sharded: bool) -> dict:
+    """This rank's :class:`RankRun` figures, its own round times, its greedy drafts against the unsharded model's."""
     model = InklingMTP.from_pretrained(path, device_mesh=mesh if sharded else None)
     reference = InklingMTP.from_pretrained(path) if sharded else model
-    out = {"parameter_bytes": parameter_bytes(model), "unsharded_bytes": parameter_bytes(reference),
-           "reference": _rounds(reference, batch, rounds, 0.0)[0] if sharded else None}
-    for temperature, name in ((0.0, "greedy"), (0.8, "sampled")):
-        drafts, seconds, counter = _rounds(model, batch, rounds, temperature)
-        out[name] = (drafts, seconds, counter.bytes, counter.calls)
-    return out
+    expected = _rounds(reference, batch, rounds, 0.0)[0] if sharded else None
+    drafts, greedy_s, greedy = _rounds(model, batch, rounds, 0.0)
+    _, sampled_s, sampled = _rounds(model, batch, rounds, 0.8)
+    return dict(parameter_bytes=parameter_bytes(model), unsharded_bytes=parameter_bytes(reference),
+                greedy_round_bytes=greedy.bytes, greedy_collectives=greedy.calls, sampled_round_bytes=sampled.bytes,
+                sampled_collectives=sampled.calls, round_ms=greedy_s * 1e3, sampled_round_ms=sampled_s * 1e3,
+                same_drafts=expected is None or torch.equal(drafts, expected))
 
 
 def measure_runs(path, world_sizes, batch: int, rounds: int) -> list[RankRun]:
+    """Per world size rank 0's bytes, the slowest rank's rounds, and whether every rank drafted as unsharded."""
     runs = []
     for world in world_sizes:
         ranks = run_ranks(_measure_rank, world, path, batch, rounds, world > 1, timeout=600)
-        first = ranks[0]
-        reference = first["greedy"][0] if first["reference"] is None else first["reference"]
-        runs.append(RankRun(world, first["parameter_bytes"], first["unsharded_bytes"], *first["greedy"][2:],
-                            *first["sampled"][2:], max(r["greedy"][1] for r in ranks) * 1e3,
-                            max(r["sampled"][1] for r in ranks) * 1e3,
-                            all(torch.equal(r["greedy"][0], reference) for r in ranks)))
+        slowest = {key: max(r[key] for r in ranks) for key in ("round_ms", "sampled_round_ms")}
+        runs.append(RankRun(world, **{**ranks[0], **slowest, "same_drafts": all(r["same_drafts"] for r in ranks)}))
     return runs
 
 
@@ -130,15 +125,14 @@ def full_size(world: int = FULL_WORLD, batch: int = 1) -> FullSize:
     """The communication and per-rank bytes of the full config, from the shapes (meta tensors, bf16)."""
     raw = preset_config("full")
     config = MTPConfig.from_hf(parse_config_dict(raw, "the full preset"), raw=raw)
-    h, v, k = config.hidden_size, config.vocab_size, config.num_depths
-    rows = k  # a K-depth decode round after a rejection runs every depth over K rows
-    head = world * batch * 2 * 4
+    h, v, k = config.hidden_size, config.vocab_size, config.num_depths  # a round's window: K rows
+    head, gather = world * batch * 2 * 4, batch * v * BF16  # our [T, B, 2] fp32 pairs; a [B, V] bf16 row
     with torch.device("meta"):
         unsharded = parameter_bytes(InklingMTP(config).to(torch.bfloat16))
         per_rank = {str(t): parameter_bytes(InklingMTP(config, TensorParallel("", 0, t)).to(torch.bfloat16))
                     for t in (2, 4, 8)}
-    return FullSize(world, k, rows, k * (2 * batch * rows * h * BF16 + head), head, batch * v * BF16,
-                    k * batch * v * BF16, k * batch * v * BF16, batch * v * BF16 / head, per_rank, unsharded)
+    return FullSize(world, k, k, k * (2 * batch * k * h * BF16 + head), head, gather, k * gather, k * gather,
+                    gather / head, per_rank, unsharded)
 
 
 def measure(ctx) -> TPResult:
