@@ -1,5 +1,4 @@
-"""The benchmark (``python -m bench``, ``make bench``): measurement modules registered in :data:`bench.run.SECTIONS`;
-bench/README.md lists them and says how to add one. Here too the child's side of :func:`bench.harness.run_probe`,
+"""The benchmark (``python -m bench``; bench/README.md), and the child's side of :func:`bench.harness.run_probe`,
 reached before anything heavy is imported (a start-up probe times those imports)."""
 
 import importlib

@@ -1,6 +1,5 @@
-"""``python -m bench``: the one command line (:func:`bench.run.main`). A probe (a fresh process measuring its own
-start-up) imports only what it measures; a run first keeps dependency warnings that do not concern a benchmark user
-off the terminal."""
+"""``python -m bench`` (:func:`bench.run.main`). A probe (a fresh process timing its own start-up) imports only what
+it measures; a run first keeps the dependencies' warnings, which do not concern a benchmark user, off the terminal."""
 
 import logging
 import sys

@@ -56,9 +56,8 @@ class Stats:
 
 
 def samples_ms(fn: Callable[[], object], device: torch.device, seconds: float, timer=time.perf_counter) -> list[float]:
-    """Per-call milliseconds of ``fn`` over about ``seconds``: ``do_bench``'s CUDA-event timings on CUDA; on CPU
-    ``Timer.timeit`` samples of about half a millisecond each, short enough that the median skips another process's
-    time slice (``timer=time.thread_time``: CPU time)."""
+    """Per-call ms of ``fn`` over about ``seconds``: ``do_bench``'s on CUDA; on CPU samples of about 0.5 ms, short
+    enough that the median skips another process's time slice (``timer=time.thread_time``: CPU time)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
@@ -89,8 +88,7 @@ def ratios(medians: dict[str, float], pairs: dict[str, tuple[str, str]]) -> dict
 
 
 def random_rows(mtp, batch: int, start: int, rows: int, gen: torch.Generator):
-    """Draft-step inputs for ``mtp`` (an ``InklingMTP``): rows start..start+rows-1 with random real ids and
-    unit-scale hiddens, on the model's device."""
+    """Draft-step inputs for ``mtp`` at rows start..start+rows-1: random real ids, unit-scale hiddens, on its device."""
     ids = torch.randint(3, mtp.config.logits_vocab_size, (batch, rows), generator=gen)
     positions = torch.arange(start, start + rows)[None].expand(batch, rows).contiguous()
     hidden = torch.randn(batch, rows, mtp.config.hidden_size, generator=gen)
@@ -100,9 +98,8 @@ def random_rows(mtp, batch: int, start: int, rows: int, gen: torch.Generator):
 # ------------------------------------------------------------------------------------------------ probes
 
 def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: float) -> dict:
-    """``bench.<function>(args)`` in a fresh interpreter (its own Inductor / Triton cache dir when given); the dict
-    it returns, with ``process_s`` (spawn to exit) added. ``args["spawned_at"]`` is the spawn's wall clock. The child
-    (:func:`bench.probe_main`) imports nothing heavy before ``function`` runs."""
+    """``bench.<function>(args)`` in a fresh interpreter (its own Inductor / Triton cache dir when given) and the
+    dict it returns, with ``process_s`` (spawn to exit); ``args["spawned_at"]`` is the spawn's wall clock."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_DIR), os.environ.get("PYTHONPATH")]))}
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     if cache_dir is not None:
@@ -168,18 +165,15 @@ def table(rows: list[list[str]], indent: str = "") -> list[str]:
 # Parts of sections the default (headline) run leaves out; ``--full`` runs them
 FULL_ONLY = frozenset({"kernels", "stock", "ksweep", "tp", "multimodal", "kcompile", "perrow", "packaged_latency",
                        "e2e_eager", "target_loop", "kround_choices"})
-# Sections a preset runs only when asked with --with (on tiny: one compile per scheme, for a step too small to
-# be memory-bound)
+# Sections a preset runs only when asked with --with (tiny: one compile per scheme, for a step not memory-bound)
 OPT_IN = {"quant": frozenset({"tiny"})}
 
 
 class Settings(argparse.Namespace):
-    """Everything a run does: the command line (:func:`bench.run.add_run_options`), resolved once
-    (:func:`bench.run.parse_args`): lists parsed, defaults of ``--quick`` / ``--full`` filled in."""
+    """Everything a run does: the command line, resolved once (:func:`bench.run.parse_args`)."""
 
     def runs(self, part: str, preset: str | None = None) -> bool:
-        """Whether ``part`` (a section or a part of one) runs, for ``preset`` where that matters: a section named
-        with --only or --with runs even where it is off by default."""
+        """Whether ``part`` (a section or a part of one) runs for ``preset``; one named by --only / --with always."""
         if part in self.skip:
             return False
         if part in self.with_ | self.only:

@@ -11,13 +11,10 @@ from pathlib import Path
 from .harness import fmt, table
 
 
-def _get(result: dict, *path):
-    """``result[path[0]][path[1]]...``, None where any step is missing (a section skipped, failed or partial)."""
-    node = result
+def _get(node: dict, *path):
+    """``node[path[0]][path[1]]...``, None where any step is missing (a section skipped, failed or partial)."""
     for key in path:
         node = node.get(key) if isinstance(node, dict) else None
-        if node is None:
-            return None
     return node
 
 
@@ -137,30 +134,25 @@ def headline_lines(result: dict) -> list[str]:
     if step:
         rows.append(["tiny draft step, ms (compiled)", fmt(step, ".3f"), f"transformers {fmt(hf, '.3f')}",
                      f"GEMM floor {fmt(floor, '.4f')}"])
-    cold, warm = (_get(result, "configs", "tiny", "compile", p, "first_call_s") for p in ("cold", "warm"))
-    if cold:
-        rows.append(["compile of the step, s", f"cold {cold:.1f}", f"warm {fmt(warm, '.1f')}", ""])
+    cold, warm = (_get(result, *_TINY, "compile", phase) or {} for phase in ("cold", "warm"))
+    if cold.get("first_call_s"):
+        rows.append(["compile of the step, s", f"cold {cold['first_call_s']:.1f}",
+                     f"warm {fmt(warm.get('first_call_s'), '.1f')}", ""])
     methods = _get(result, "e2e", "methods") or {}
-    target = _get(methods, "target", "tokens_per_s")
+    target, hf_mtp = (_get(methods, name, "tokens_per_s") for name in ("target", "hf_mtp"))
     for name, m in methods.items():
         if name.startswith("ours_compiled_k"):
-            hf_mtp = _get(methods, "hf_mtp", "tokens_per_s")
             rows.append([f"end to end K = {m['k']}, tok/s", f"{m['tokens_per_s']:.1f}",
                          f"target {fmt(target, '.1f')} ({m['speedup_vs_target']:.2f}x)",
                          f"generate(use_mtp=True) {fmt(hf_mtp, '.1f')}"
                          + (f" ({m['tokens_per_s'] / hf_mtp:.2f}x)" if hf_mtp else "")])
-    startup = _get(result, "configs", "tiny", "packaged", "startup", "package", "to_first_draft_s")
-    if startup:
-        compiled = [_to_first_call(result, phase) for phase in ("cold", "warm")]
-        rows.append(["start-up to the first draft, s", f"packaged {startup:.1f}",
-                     f"cold compile {fmt(compiled[0], '.1f')}", f"warm {fmt(compiled[1], '.1f')}"])
+    startup = _get(result, *_TINY, "packaged", "startup", "package", "to_first_draft_s")
+    if startup:  # beside spawn to the first compiled step: interpreter and imports, models, compile + run
+        phases = ("import_s", "load_s", "first_call_s")
+        cold_s, warm_s = (sum(p[k] for k in phases) if p else None for p in (cold, warm))
+        rows.append(["start-up to the first draft, s", f"packaged {startup:.1f}", f"cold compile {fmt(cold_s, '.1f')}",
+                     f"warm {fmt(warm_s, '.1f')}"])
     return table(rows) if len(rows) > 1 else []
-
-
-def _to_first_call(result: dict, phase: str) -> float | None:
-    """Spawn to the first compiled step of a compile probe (interpreter and imports, models, compile + run)."""
-    probe = _get(result, "configs", "tiny", "compile", phase)
-    return sum(probe[k] for k in ("import_s", "load_s", "first_call_s")) if probe else None
 
 
 def append_results(path: Path, result: dict, text: str) -> None:

@@ -14,6 +14,7 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -25,7 +26,7 @@ from . import compile_time, e2e, multimodal, packaged, plots, quant, report, sta
 from .harness import OPT_IN, Context, Settings, error_text, plain, progress, write_json
 from .models import load_models
 
-SCHEMA_ID = "inkling-bench/3"
+SCHEMA_ID = "inkling-bench/4"  # 4: one e2e record (the K sweep and the batches in it), startup.first_draft
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
 OUT_DIR = BENCH_DIR / "out"  # git-ignored
@@ -84,62 +85,69 @@ def machine_info(threads: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------ the command line
 
-def _names(p: argparse.ArgumentParser, flag: str, value: str, known) -> frozenset[str]:
-    names = frozenset(x.strip() for x in value.split(",") if x.strip())
-    if names - set(known):
-        p.error(f"{flag}: unknown name(s) {sorted(names - set(known))}; choose from {', '.join(known)}")
+def _items(value: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in value.split(",") if x.strip())
+
+
+def _names(known) -> Callable[[str], frozenset[str]]:
+    def names(value: str) -> frozenset[str]:
+        unknown = sorted(set(_items(value)) - set(known))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown name(s) {unknown}; choose from {', '.join(known)}")
+        return frozenset(_items(value))
     return names
 
 
-def _positive_ints(p: argparse.ArgumentParser, flag: str, value: str) -> tuple[int, ...]:
+def _positive_ints(value: str) -> tuple[int, ...]:
     try:
-        numbers = tuple(int(x) for x in value.split(",") if x.strip())
+        numbers = tuple(int(x) for x in _items(value))
     except ValueError:
-        p.error(f"{flag} must be comma-separated integers, got {value!r}")
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {value!r}") from None
     if not numbers or min(numbers) < 1:
-        p.error(f"{flag} must name one or more integers, each >= 1, got {value!r}")
+        raise argparse.ArgumentTypeError(f"must name one or more integers, each >= 1, got {value!r}")
     return numbers
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
-    sections = "; ".join(f"{s.name} ({s.help})" for s in SECTIONS)
+    names, ints = [s.name for s in SECTIONS], _positive_ints
     p.add_argument("--full", action="store_true", help="every section and part, with longer timings (tens of "
                    "minutes on 2 cores; default: the headline figures in under 2 once a first run built its rounds)")
     p.add_argument("--quick", action="store_true", help="few iterations everywhere (a smoke test; rough numbers)")
-    p.add_argument("--only", default="", metavar="SECTIONS", help="run only these sections (each even where it is off "
-                   f"by default): {sections}")
-    p.add_argument("--skip", default="", help="sections or parts to leave out: the sections above; "
-                   + "; ".join(f"{k} ({v})" for k, v in PARTS.items()))
-    p.add_argument("--with", dest="with_", default="", metavar="SECTIONS",
+    p.add_argument("--only", type=_names(names), default="", metavar="SECTIONS", help="run only these sections (each "
+                   "even where it is off by default): " + "; ".join(f"{s.name} ({s.help})" for s in SECTIONS))
+    p.add_argument("--skip", type=_names([*names, *PARTS]), default="", help="sections or parts to leave out: the "
+                   "sections above; " + "; ".join(f"{k} ({v})" for k, v in PARTS.items()))
+    p.add_argument("--with", dest="with_", type=_names(list(OPT_IN)), default="", metavar="SECTIONS",
                    help="opt-in sections to run: " + "; ".join(f"{n} (off for {', '.join(sorted(v))})"
                                                              for n, v in OPT_IN.items()))
-    p.add_argument("--config", dest="configs", default="tiny",
+    p.add_argument("--config", dest="configs", type=_items, default="tiny",
                    help="synthetic preset(s) for the step sections: tiny, small, full")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="default float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes of the latency section")
+    p.add_argument("--batch-sizes", type=ints, default="1", help="comma-separated batch sizes of the latency section")
     p.add_argument("--context", type=int, default=64, help="rows prefilled before the timed step (the draft cache "
                    "holds 64 more)")
-    p.add_argument("--weights", choices=("checkpoint", "random"), default=None,
+    p.add_argument("--weights", choices=("checkpoint", "random"),
                    help="checkpoint (shared by both libraries; tiny/small default) or random (full default)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default 1)")
-    p.add_argument("--time-budget", type=float, default=None, help="seconds of timing per latency run")
-    p.add_argument("--recompile-steps", type=int, default=None, help="steps at moving positions in the compile probe")
+    p.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default 1)")
+    p.add_argument("--time-budget", type=float, help="seconds of timing per latency run")
+    p.add_argument("--recompile-steps", type=int, help="steps at moving positions in the compile probe")
     p.add_argument("--probe-timeout", type=float, default=600.0, help="seconds before a fresh-process probe is cut")
-    p.add_argument("--e2e-prompts", type=int, default=None, help="prompts per end-to-end method")
-    p.add_argument("--e2e-tokens", type=int, default=None, help="new tokens per prompt")
+    p.add_argument("--e2e-prompts", type=int, help="prompts per end-to-end method")
+    p.add_argument("--e2e-tokens", type=int, help="new tokens per prompt")
     p.add_argument("--e2e-target", choices=("text", "synthetic"), default="text",
                    help="text: the text target, held-out prompts; synthetic: the self-distilled tiny8, random prompts")
-    p.add_argument("--e2e-ks", default="1,8", help="K values of the e2e section's compiled drafters")
-    p.add_argument("--e2e-checkpoint", default=None, metavar="DIR", help="a distilled raw-layout checkpoint for the "
+    p.add_argument("--e2e-ks", type=ints, default="1,8", help="K values of the e2e section's compiled drafters")
+    p.add_argument("--e2e-checkpoint", type=Path, metavar="DIR", help="a distilled raw-layout checkpoint for the "
                    "end-to-end sections instead of building one here")
-    p.add_argument("--distill-steps", type=int, default=None, help="self-distillation steps of the synthetic target")
-    p.add_argument("--ks", default="1,2,4,8", help="K values of the K sweep (beyond the target's depths: left out)")
-    p.add_argument("--k-seconds", type=float, default=None, help="seconds of draft-round timing per K and window")
-    p.add_argument("--tp-world-sizes", default="1,2", help="gloo ranks of the tp section")
-    p.add_argument("--json", dest="json_path", default=None, help="where the JSON goes (default: bench/out/)")
-    p.add_argument("--record", nargs="?", const=str(RESULTS_MD), default=None, metavar="FILE",
+    p.add_argument("--distill-steps", type=int, help="self-distillation steps of the synthetic target")
+    p.add_argument("--ks", type=ints, default="1,2,4,8", help="K values of the K sweep (beyond the target's depths: "
+                   "left out)")
+    p.add_argument("--k-seconds", type=float, help="seconds of draft-round timing per K and window")
+    p.add_argument("--tp-world-sizes", type=ints, default="1,2", help="gloo ranks of the tp section")
+    p.add_argument("--json", dest="json_path", type=Path, help="where the JSON goes (default: bench/out/)")
+    p.add_argument("--record", nargs="?", const=RESULTS_MD, type=Path, metavar="FILE",
                    help="append an entry to bench/RESULTS.md (or FILE)")
 
 
@@ -147,10 +155,6 @@ def parse_args(argv=None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m bench run")
     add_run_options(p)
     s = p.parse_args(argv, namespace=Settings())
-    section_names = [section.name for section in SECTIONS]
-    s.skip = _names(p, "--skip", s.skip, [*section_names, *PARTS])
-    s.with_ = _names(p, "--with", s.with_, list(OPT_IN))
-    s.only = _names(p, "--only", s.only, section_names)
     if (s.with_ | s.only) & s.skip:
         p.error(f"section(s) both skipped and asked for with --with / --only: {sorted((s.with_ | s.only) & s.skip)}")
     if s.device.startswith("cuda") and not torch.cuda.is_available():
@@ -158,17 +162,11 @@ def parse_args(argv=None) -> Settings:
     level = 0 if s.quick else 2 if s.full else 1
     for name, counts in COUNTS.items():
         setattr(s, name, counts[level] if getattr(s, name) is None else getattr(s, name))
-    for flag in ("--batch-sizes", "--e2e-ks", "--ks", "--tp-world-sizes"):
-        name = flag[2:].replace("-", "_")
-        setattr(s, name, _positive_ints(p, flag, getattr(s, name)))
-    s.configs = tuple(c.strip() for c in s.configs.split(",") if c.strip())
     s.max_length = s.context + 64
     s.dtype = s.dtype or ("bfloat16" if s.device.startswith("cuda") else "float32")
     s.threads = s.threads or (1 if s.device == "cpu" else torch.get_num_threads())
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
-    s.e2e_checkpoint = Path(s.e2e_checkpoint) if s.e2e_checkpoint else None
-    s.json_path = Path(s.json_path) if s.json_path else OUT_DIR / f"bench-{stamp}.json"
-    s.record = Path(s.record) if s.record else None
+    s.json_path = s.json_path or OUT_DIR / f"bench-{stamp}.json"
     return s
 
 

@@ -97,13 +97,13 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     (["--skip", "compiel"], "--skip: unknown name(s) ['compiel']"),
     (["--only", "kernels"], "--only: unknown name(s) ['kernels']"),
     (["--no-compile"], "unrecognized arguments: --no-compile"),
-    (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated"),
+    (["--batch-sizes", "1,x"], "--batch-sizes: must be comma-separated"),
     (["--with", "latency"], "--with: unknown name(s) ['latency']; choose from quant"),
     (["--with", "quant", "--skip", "quant"], "both skipped and asked for"),
     (["--only", "e2e", "--skip", "e2e"], "both skipped and asked for with --with / --only: ['e2e']"),
-    (["--ks", "1,two"], "--ks must be comma-separated integers, got '1,two'"),
+    (["--ks", "1,two"], "--ks: must be comma-separated integers, got '1,two'"),
     (["--e2e-ks", "0,4"], "each >= 1, got '0,4'"),
-    (["--tp-world-sizes", "1,0"], "--tp-world-sizes must name one or more integers, each >= 1, got '1,0'")])
+    (["--tp-world-sizes", "1,0"], "--tp-world-sizes: must name one or more integers, each >= 1, got '1,0'")])
 def test_bad_arguments_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit):
         run.parse_args(argv)
