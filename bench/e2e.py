@@ -1,8 +1,6 @@
-"""End to end on a self-distilled target, greedy (the ``e2e`` section): at batch 1 tokens/s and acceptance of our
-speculative generation at each K against the target alone and transformers' ``generate(use_mtp=True)``; with
-``--full`` every K of ``--ks``, their draft rounds and cold compiles (``ksweep``, ``kcompile``), and left-padded
-batches, each row advancing by its own accepted length or the batch in lockstep, with the per-row rollback's cost
-(``perrow``). Methods take turns input by input after one untimed warm-up each (the drafters' compiles)."""
+"""End to end on a self-distilled target, greedy (section ``e2e``): our speculative generation at each K against the
+target alone and ``generate(use_mtp=True)``; with ``--full`` every K's draft rounds and cold compiles, and left-padded
+batches per row vs lockstep with the rollback's cost. Methods take turns input by input, so drift hits them alike."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ import itertools
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -23,7 +22,6 @@ from inkling_compiled import InklingMTP
 from inkling_compiled.config import logits_vocab_size
 from inkling_compiled.hf_compat import cache_argument
 from inkling_compiled.runtime import Drafter, speculative
-from inkling_compiled.runtime.target_cache import rollback_rows
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 from inkling_compiled.training import distill, text_target
 
@@ -108,30 +106,39 @@ def count_hf_matches():
         yield rounds
 
 
+def _timed(fn, *args, **kwargs) -> tuple[object, float]:
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, 1e3 * (time.perf_counter() - start)
+
+
 @contextlib.contextmanager
-def timed_rollback(records: dict[str, list[float]]):
+def timed_rollback(records: defaultdict[str, list[float]]):
     """Wall ms of every verify forward and per-row rollback of the loop, appended to ``records["forward"]`` /
     ``["rollback"]`` (and ``["ragged"]`` for the rollbacks whose rows rejected different counts)."""
     step, rollback = speculative._target_step, speculative.rollback_rows
 
     def forward(*args, last_only, **kwargs):
-        start = time.perf_counter()
-        result = step(*args, last_only=last_only, **kwargs)
+        result, wall = _timed(step, *args, last_only=last_only, **kwargs)
         if not last_only:  # a verify forward (the prefill is last_only)
-            records["forward"].append(1e3 * (time.perf_counter() - start))
+            records["forward"].append(wall)
         return result
 
     def rolled(cache, mask, rejected):
-        start = time.perf_counter()
-        result = rollback(cache, mask, rejected)
-        records["rollback"].append(1e3 * (time.perf_counter() - start))
+        result, wall = _timed(rollback, cache, mask, rejected)
+        records["rollback"].append(wall)
         if len(set(rejected)) > 1:
-            records["ragged"].append(records["rollback"][-1])
+            records["ragged"].append(wall)
         return result
 
     with mock.patch.object(speculative, "_target_step", forward), mock.patch.object(speculative, "rollback_rows",
                                                                                     rolled):
         yield records
+
+
+def _rollback_medians(records: defaultdict[str, list[float]]) -> dict:
+    forward, rollback = statistics.median(records["forward"]), statistics.median(records["rollback"])
+    return {"forward_ms": forward, "rollback_ms": rollback, "share": rollback / forward}
 
 
 def pooled(outputs) -> dict:
@@ -158,16 +165,15 @@ def hf_pooled(rounds: list[list[int]], depths: int) -> dict:
             "acceptance_per_position": [sum(r[1] > j for r in drafting) / n for j in range(depths)]}
 
 
-def interleaved(methods: dict, inputs: list[tuple], tag: str = "e2e", compiled: bool = True) -> dict[str, dict]:
+def interleaved(methods: dict, inputs: list[tuple], tag: str, compiled: bool) -> dict[str, dict]:
     """Each method's seconds over ``inputs`` (argument tuples) and its outputs in order, after one untimed warm-up
     each (``warmup_s``; last method first: a K > 1 round packaged on first use leaves the compiled drafters warmed
-    before it to compile again); the methods take turns input by input (order rotating), so drift on a shared
-    machine hits them alike."""
+    before it to compile again); the methods take turns input by input, order rotating."""
     figures = {name: {"seconds": 0.0, "outputs": []} for name in methods}
     names = list(methods)
     with torch.no_grad():
         for name, fn in reversed(methods.items()):
-            packs = compiled and "_k" in name and "eager" not in name and not name.endswith("_k1")  # round_cache's
+            packs = compiled and "_k" in name and not name.endswith("_k1")  # round_cache's
             progress(f"{tag}: {label(name)}: warm-up" + (" (where this machine's round cache lacks its rounds, "
                                                          "it packages them first: minutes, once)" if packs else ""))
             start = time.perf_counter()
@@ -188,9 +194,9 @@ def padded_groups(prompts: torch.Tensor, batch: int, pad_token_id: int = 0) -> l
     return [left_pad(rows[i:i + batch], pad_token_id) for i in range(0, len(rows), batch)]
 
 
-def round_latency(drafter: Drafter, rows: int, seconds: float) -> tuple[Stats, float]:
-    """(wall ms, median thread-CPU ms) of ``drafter.draft`` at batch 1 on ``rows`` new verified rows per round,
-    positions advancing (starting over before the cache's end)."""
+def round_latency(drafter: Drafter, rows: int, seconds: float, name: str) -> dict:
+    """``{name}_ms`` (wall) and ``{name}_cpu_ms`` (median thread CPU) of ``drafter.draft`` at batch 1 on ``rows`` new
+    verified rows per round, positions advancing (starting over before the cache's end)."""
     gen, end = torch.Generator().manual_seed(0), drafter.max_length - rows
     cycle = itertools.cycle([random_rows(drafter.model, 1, i * rows % end, rows, gen) for i in range(64)])
 
@@ -200,31 +206,25 @@ def round_latency(drafter: Drafter, rows: int, seconds: float) -> tuple[Stats, f
     with torch.no_grad():
         wall = samples_ms(draft, torch.device("cpu"), seconds)
         cpu = samples_ms(draft, torch.device("cpu"), seconds / 2, timer=time.thread_time)
-    return Stats.of(wall), statistics.median(cpu)
+    return {f"{name}_ms": Stats.of(wall), f"{name}_cpu_ms": statistics.median(cpu)}
 
 
-def rollback_cost(target, batch: int, context: int, k: int, rounds: int = 20, seed: int = 0) -> dict:
-    """Median wall ms of a verify forward (K + 1 rows) and of the ragged per-row rollback after it, on a cache that
-    starts at ``context`` positions; rows keep 1, 2, .., K + 1 of the verified rows."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = target.config.get_text_config().vocab_size
+def rollback_cost(target, batch: int, context: int, k: int) -> dict:
+    """Median wall ms of a verify forward (K + 1 rows) and of the ragged per-row rollback after it over 20 rounds, on
+    a cache that starts at ``context`` positions; rows keep 1, 2, .., K + 1 of the verified rows."""
+    gen, vocab = torch.Generator().manual_seed(0), target.config.get_text_config().vocab_size
     mask, cache = torch.ones(batch, context, dtype=torch.long), DynamicCache(config=target.config)
-    speculative._target_step(target, torch.randint(3, vocab, (batch, context), generator=gen), mask, cache,
-                             last_only=True)
-    cache.activate_past_recording()
-    rejected, forward, rollback = [b % (k + 1) for b in range(batch)], [], []
-    for _ in range(rounds):
-        mask = torch.cat([mask, mask.new_ones(batch, k + 1)], dim=1)
-        start = time.perf_counter()
-        speculative._target_step(target, torch.randint(3, vocab, (batch, k + 1), generator=gen), mask, cache,
-                                 last_only=False)
-        middle = time.perf_counter()
-        mask = rollback_rows(cache, mask, rejected)
-        forward.append(1e3 * (middle - start))
-        rollback.append(1e3 * (time.perf_counter() - middle))
-    forward_ms, rollback_ms = statistics.median(forward), statistics.median(rollback)
-    return {"context": context, "batch": batch, "k": k, "forward_ms": forward_ms, "rollback_ms": rollback_ms,
-            "share": rollback_ms / forward_ms}
+    rejected, records = [b % (k + 1) for b in range(batch)], defaultdict(list)
+    with torch.no_grad(), timed_rollback(records):
+        speculative._target_step(target, torch.randint(3, vocab, (batch, context), generator=gen), mask, cache,
+                                 last_only=True)
+        cache.activate_past_recording()
+        for _ in range(20):
+            mask = torch.cat([mask, mask.new_ones(batch, k + 1)], dim=1)
+            speculative._target_step(target, torch.randint(3, vocab, (batch, k + 1), generator=gen), mask, cache,
+                                     last_only=False)
+            mask = speculative.rollback_rows(cache, mask, rejected)
+    return {"context": context, "batch": batch, "k": k, **_rollback_medians(records)}
 
 
 @dataclass
@@ -257,10 +257,9 @@ class E2E:
     distill: dict | None = None
 
 
-def run_e2e(checkpoint, cfg: E2EConfig | None = None, *, prompts: torch.Tensor | None = None,
-            target_label: str = "", distill_metrics: dict | None = None) -> E2E:
+def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, target_label: str = "",
+            distill_metrics: dict | None = None) -> E2E:
     """Every figure of the section on ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
-    cfg = cfg or E2EConfig()
     torch.set_num_threads(cfg.threads)
     target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(checkpoint, target=target)
@@ -277,13 +276,13 @@ def run_e2e(checkpoint, cfg: E2EConfig | None = None, *, prompts: torch.Tensor |
     gconfig_mtp.use_mtp = True
     max_length = prompts.shape[1] + new + 8
 
-    def alone(ids, mask=None):
-        return target.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
-                               generation_config=gconfig), None
-
-    def transformers_mtp(ids):
-        with count_hf_matches() as rounds:
-            return target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gconfig_mtp), rounds
+    def generate(config, counter=contextlib.nullcontext):
+        """target.generate's sequences and the rounds ``counter`` counted (None: not counted)."""
+        def run(ids, mask=None):
+            with counter() as rounds:
+                return target.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
+                                       generation_config=config), rounds
+        return run
 
     def loop(ids):
         """The target alone through the calls our speculative loop makes (no generate() machinery)."""
@@ -308,16 +307,18 @@ def run_e2e(checkpoint, cfg: E2EConfig | None = None, *, prompts: torch.Tensor |
             return out.sequences, out
         return run
 
-    kind = "compiled" if cfg.compiled else "eager"
-    drafters = {f"ours_{kind}_k{k}": drafter(k, cfg.compiled) for k in ks}
+    kind, by_k = "compiled" if cfg.compiled else "eager", {k: drafter(k, cfg.compiled) for k in ks}
+    drafters = {f"ours_{kind}_k{k}": d for k, d in by_k.items()}
     if cfg.eager:
         drafters.setdefault("ours_eager_k1", drafter(1, False))
-    methods = {"target": alone, **({"target_loop": loop} if cfg.target_loop else {}),
-               **({"hf_mtp": transformers_mtp} if cfg.hf_mtp else {}), **{n: ours(d) for n, d in drafters.items()}}
-    figures = interleaved(methods, [(prompts[i:i + 1],) for i in range(cfg.prompts)], compiled=cfg.compiled)
+    methods = {"target": generate(gconfig), **({"target_loop": loop} if cfg.target_loop else {}),
+               **({"hf_mtp": generate(gconfig_mtp, count_hf_matches)} if cfg.hf_mtp else {}),
+               **{n: ours(d) for n, d in drafters.items()}}
+    figures = interleaved(methods, [(prompts[i:i + 1],) for i in range(cfg.prompts)], "e2e", cfg.compiled)
     record = E2E(target_label or f"distilled checkpoint {checkpoint}", str(checkpoint), cfg.prompts,
                  prompts.shape[1], new, text.num_mtp_layers, distill=distill_metrics)
     base, hf_s = figures["target"]["seconds"], figures.get("hf_mtp", {}).get("seconds")
+    reference = [r[:, prompts.shape[1]:] for r, _ in figures["target"]["outputs"]]
     for name, f in figures.items():
         outs, details = [o[:, prompts.shape[1]:] for o, _ in f["outputs"]], [d for _, d in f["outputs"]]
         tokens, k = sum(o.shape[1] for o in outs), int(name.rsplit("_k", 1)[1]) if "_k" in name else None
@@ -327,35 +328,29 @@ def run_e2e(checkpoint, cfg: E2EConfig | None = None, *, prompts: torch.Tensor |
             "k": text.num_mtp_layers if name == "hf_mtp" else k, "tokens_per_s": tokens / f["seconds"],
             "ms_per_token": 1e3 * f["seconds"] / tokens, "speedup_vs_target": base / f["seconds"],
             "speedup_vs_hf_mtp": hf_s / f["seconds"] if hf_s and k else None, "new_tokens": tokens,
-            "seconds": f["seconds"], "warmup_s": f["warmup_s"], **counts, "outputs_match_target": None
-            if name == "target" else all(same_tokens(o, r[:, prompts.shape[1]:])
-                                         for o, (r, _) in zip(outs, figures["target"]["outputs"]))}
-    with torch.no_grad():
-        for k in ks:
-            d = drafters[f"ours_{kind}_k{k}"]
-            if cfg.round_seconds:
-                progress(f"e2e: draft-round latency, K={k}")
-                (one, one_cpu), (full, full_cpu) = (round_latency(d, rows, cfg.round_seconds) for rows in (1, k + 1))
-                record.rounds[str(k)] = {"one_row_ms": one, "one_row_cpu_ms": one_cpu, "all_rows_ms": full,
-                                         "all_rows_cpu_ms": full_cpu, "cold_compile": None}
-        if cfg.cold_compile and record.rounds:
-            _cold_compiles(record, checkpoint, sorted({min(ks), max(ks)}), cfg.threads)
-        if cfg.batches:
-            record.batched = _batched(target, {k: drafters[f"ours_{kind}_k{k}"] for k in ks}, ours, alone, prompts,
-                                      cfg, record.methods)
+            "seconds": f["seconds"], "warmup_s": f["warmup_s"], **counts,
+            "outputs_match_target": None if name == "target" else all(map(same_tokens, outs, reference))}
+    if cfg.round_seconds:
+        for k, d in by_k.items():
+            progress(f"e2e: draft-round latency, K={k}")
+            record.rounds[str(k)] = {**round_latency(d, 1, cfg.round_seconds, "one_row"),
+                                     **round_latency(d, k + 1, cfg.round_seconds, "all_rows"), "cold_compile": None}
+    if cfg.cold_compile and record.rounds:
+        _cold_compiles(record, checkpoint, sorted({min(ks), max(ks)}), cfg.threads)
+    if cfg.batches:
+        record.batched = _batched(target, by_k, ours, generate(gconfig), prompts[:PADDED_PROMPTS], cfg, record.methods)
     return record
 
 
 def _batched(target, drafters: dict, ours, alone, prompts, cfg: E2EConfig, batch1: dict) -> dict:
     """Per row against lockstep at each batch, every K, beside target.generate on the same left-padded batches."""
-    found = {"target": {}, "ks": {str(k): {} for k in drafters}}
+    found, tokens = {"target": {}, "ks": {str(k): {} for k in drafters}}, len(prompts) * cfg.new_tokens
     for batch in cfg.batches:
-        groups = padded_groups(prompts[:PADDED_PROMPTS], batch, target.generation_config.pad_token_id or 0)
-        records = {k: {"forward": [], "rollback": [], "ragged": []} for k in drafters}
+        groups = padded_groups(prompts, batch, target.generation_config.pad_token_id or 0)
+        records = {k: defaultdict(list) for k in drafters}
         methods = {"target": alone, **{f"{mode}_k{k}": ours(d, mode == "lockstep", records[k] if mode == "per_row"
                                                             else None) for k, d in drafters.items() for mode in MODES}}
         figures = interleaved(methods, groups, f"e2e batch {batch}", cfg.compiled)
-        tokens = len(prompts[:PADDED_PROMPTS]) * cfg.new_tokens
         found["target"][str(batch)] = tokens / figures["target"]["seconds"]
         reference = [out for out, _ in figures["target"]["outputs"]]
         for k in drafters:
@@ -367,11 +362,10 @@ def _batched(target, drafters: dict, ours, alone, prompts, cfg: E2EConfig, batch
                 row[mode] = {**pooled(outs), "tokens_per_s": tokens / f["seconds"],
                              "speedup_vs_target": figures["target"]["seconds"] / f["seconds"],
                              "target_forwards": sum(o.num_rounds + 1 for o in outs),
-                             "same_tokens": all(same_tokens(o.sequences, r) for o, r in zip(outs, reference))}
+                             "same_tokens": all(map(same_tokens, [o.sequences for o in outs], reference))}
                 row[mode]["vs_batch1"] = row[mode]["accepted_length"] / one
             r = records[k]
-            forward, rollback = statistics.median(r["forward"]), statistics.median(r["rollback"])
-            row["rollback"] = {"forward_ms": forward, "rollback_ms": rollback, "share": rollback / forward,
+            row["rollback"] = {**_rollback_medians(r),
                                "ragged_ms": statistics.median(r["ragged"]) if r["ragged"] else None,
                                "rounds": len(r["rollback"]), "ragged_rounds": len(r["ragged"])}
     progress("e2e: rollback vs context")
@@ -405,7 +399,7 @@ def measure(ctx: Context) -> E2E:
                     round_seconds=s.k_seconds if sweep else 0.0, threads=s.threads,
                     cold_compile=sweep and s.runs("kcompile"), batches=(4, 8) if batched else ())
     # every K in the batches too (the K sweep's batch-4 figures); a K > 1 packages each bucket's round on a machine's
-    # first --full run (minutes each on 2 cores), later runs load them
+    # first --full run (minutes each), later runs load them
     return run_e2e(target.checkpoint, cfg, prompts=target.prompts, target_label=target.label,
                    distill_metrics=target.metrics)
 

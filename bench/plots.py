@@ -29,6 +29,9 @@ VARIANT_COLORS = {"eager": "tab:gray", "compiled_nopasses": "tab:blue", "compile
 METHOD_LINES = {"ours_compiled": "ours", "ours_eager": "ours, eager drafter", "hf_mtp": LABELS["hf_mtp"]}
 METHOD_STYLES = {"ours": {"color": "tab:green", "marker": "o"}, "ours, eager drafter": {"color": "tab:gray",
                  "marker": "x"}, LABELS["hf_mtp"]: {"color": "tab:orange", "marker": "D"}}
+FLOORS = {  # label: (line style, the floor's ms in a latency entry, None where not measured)
+    "GEMM floor (the step's GEMMs alone)": ("-", lambda e: (e["variants"].get("gemm_floor") or {}).get("median_ms")),
+    "HBM floor (bytes read / copy bandwidth)": ("--", lambda e: (e.get("bandwidth") or {}).get("hbm_floor_ms"))}
 STARTUP_PARTS = {"import_s": "imports", "load_s": "loading the models",
                  "first_call_s": "first draft: compile (or package load) + run"}
 
@@ -99,12 +102,8 @@ def _latency_panel(name: str, cfg: dict, settings: dict) -> Panel:
             at = [(j, e["variants"][v]) for j, e in enumerate(entries) if v in e["variants"]]
             values += _stat_bars(ax, [j - 0.4 + (i + 0.5) * width for j, _ in at], [s for _, s in at], width,
                                  color=VARIANT_COLORS[v], label=VARIANT_LABELS[v].strip())
-        floors = {"GEMM floor (the step's GEMMs alone)": ("-", [(e["variants"].get("gemm_floor") or {}).get(
-                      "median_ms") for e in entries]),
-                  "HBM floor (bytes read / copy bandwidth)": ("--", [(e.get("bandwidth") or {}).get(
-                      "hbm_floor_ms") for e in entries])}
-        for label, (style, ys) in floors.items():
-            at = [(j, y) for j, y in enumerate(ys) if y is not None]
+        for label, (style, floor) in FLOORS.items():
+            at = [(j, floor(e)) for j, e in enumerate(entries) if floor(e) is not None]
             for n, (j, y) in enumerate(at):  # one segment over each batch's bars, one legend entry
                 ax.hlines(y, j - 0.45, j + 0.45, colors="black", linestyles=style, linewidth=1.2,
                           label=None if n else label)
