@@ -86,7 +86,7 @@ def latency(models: Models, batch: int, context: int, max_length: int, package: 
             variants[f"{name}_call"] = drafters[name].static_step(*inputs.positions.shape)
     if models.hf_mtp is not None:
         variants["hf_eager"] = S.HFStep(models, inputs)
-    variants["gemm_floor"] = S.gemm_floor(models, drafters["eager"], inputs)
+    variants["gemm_floor"] = S.gemm_floor(models, inputs, max_length)
     progress(f"packaged: timing {', '.join(variants)}")
     stats = time_variants(variants, device=models.device, budget_s=budget_s)
     return {"batch": batch, "context": context, "k": K, "variants": stats,
