@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -24,20 +23,18 @@ def measure(ctx: Context) -> Compile:
     record = Compile(min(s.batch_sizes))
     args = {"preset": ctx.preset, "weights": s.weights, "device": s.device, "dtype": s.dtype, "batch": record.batch,
             "context": s.context, "max_length": s.max_length, "threads": s.threads, "steps": s.recompile_steps}
-    cache_dir = tempfile.mkdtemp(prefix="inkling-bench-inductor-")
-    try:
-        for phase in ("cold", "warm"):
-            progress(f"{ctx.preset}: {phase} compile of the draft step in a fresh process")
-            found = run_probe("probes.step_compile", args, cache_dir=cache_dir, timeout=s.probe_timeout)
-            setattr(record, phase, found)
-            progress(f"{ctx.preset}: {phase} first call {found['first_call_s']:.1f} s "
-                     f"(FX graph cache hit {found['fxgraph_cache_hit']})")
-        record.warm_cache_hit = record.warm["fxgraph_cache_hit"] >= 1
-    except Exception as e:  # noqa: BLE001 - recorded; the other sections go on
-        progress(f"{ctx.preset}: compile FAILED: {e}")
-        record.error = error_text(e)
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="inkling-bench-inductor-", ignore_cleanup_errors=True) as cache_dir:
+        try:
+            for phase in ("cold", "warm"):
+                progress(f"{ctx.preset}: {phase} compile of the draft step in a fresh process")
+                found = run_probe("probes.step_compile", args, cache_dir=cache_dir, timeout=s.probe_timeout)
+                setattr(record, phase, found)
+                progress(f"{ctx.preset}: {phase} first call {found['first_call_s']:.1f} s "
+                         f"(FX graph cache hit {found['fxgraph_cache_hit']})")
+            record.warm_cache_hit = record.warm["fxgraph_cache_hit"] >= 1
+        except Exception as e:  # noqa: BLE001 - recorded; the other sections go on
+            progress(f"{ctx.preset}: compile FAILED: {e}")
+            record.error = error_text(e)
     return record
 
 

@@ -1,9 +1,9 @@
-"""The drafter packaged ahead of time with AOTInductor (``packaged`` section): its build, a fresh process to its first
-draft (the ``compile`` section times the compiled drafter's), and with ``--full`` its per-call latency beside the
-compiled drafter, transformers' step and the GEMM floor."""
+"""The ``packaged`` section: the drafter packaged ahead of time by AOTInductor, its build, a fresh process to its first
+draft, and with ``--full`` its per-call latency beside the compiled drafter, transformers' step and the GEMM floor."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -48,18 +48,13 @@ class Packaged:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def cached_package(models: Models, batch: int, max_length: int) -> tuple[Path, dict | None]:
-    """Where a default run keeps its package, and the package's build record if this torch, these passes and this
-    model still accept it (``Drafter.load_compiled`` checks them)."""
-    directory = default_cache_root().parent / "bench-packages" / f"{models.checkpoint.name}-k{K}-b{batch}-l{max_length}"
-    try:
-        Drafter.load_compiled(directory, models.mtp)
-        return directory, json.loads((directory / "bench.json").read_text())
-    except Exception:  # noqa: BLE001 - missing, stale or damaged: the caller builds it again
-        return directory, None
-
-
-def build_package(models: Models, batch: int, max_length: int, directory: Path) -> dict:
+def build_package(models: Models, batch: int, max_length: int, directory: Path, reuse: bool) -> dict:
+    """The package's build record; ``reuse``: the kept one while this torch, these passes and this model still accept
+    the package (``Drafter.load_compiled`` checks them)."""
+    if reuse:
+        with contextlib.suppress(Exception):  # missing, stale or damaged: built again
+            Drafter.load_compiled(directory, models.mtp)
+            return {**json.loads((directory / "bench.json").read_text()), "cached": str(directory)}
     shutil.rmtree(directory, ignore_errors=True)
     start = time.perf_counter()
     S.make_drafter(models, batch, max_length, compile=True).save_compiled(directory, batch_sizes=(batch,), rows=(K,))
@@ -91,7 +86,7 @@ def latency(models: Models, batch: int, context: int, max_length: int, package: 
             variants[f"{name}_call"] = drafters[name].static_step(*inputs.positions.shape)
     if models.hf_mtp is not None:
         variants["hf_eager"] = S.HFStep(models, inputs)
-    variants["gemm_floor"] = S.gemm_floor(models, drafters["eager"], inputs)
+    variants["gemm_floor"] = S.gemm_floor(models, inputs, max_length)
     progress(f"packaged: timing {', '.join(variants)}")
     stats = time_variants(variants, device=models.device, budget_s=budget_s)
     return {"batch": batch, "context": context, "k": K, "variants": stats,
@@ -106,11 +101,11 @@ def measure(ctx: Context) -> Packaged:
     batch = s.batch_sizes[0]
     record = Packaged(ctx.preset, K, batch, s.context, s.device, s.dtype, s.threads)
     with tempfile.TemporaryDirectory(prefix="inkling-bench-packaged-") as work:
-        package, found = (Path(work) / "p", None) if s.full else cached_package(models, batch, s.max_length)
+        package = Path(work) / "p" if s.full else (  # --full builds it afresh
+            default_cache_root().parent / "bench-packages" / f"{models.checkpoint.name}-k{K}-b{batch}-l{s.max_length}")
         base = {"checkpoint": str(models.checkpoint), "device": s.device, "dtype": s.dtype, "batch": batch, "k": K,
                 "context": s.context, "max_length": s.max_length, "threads": s.threads, "package": str(package)}
-        parts = {"package": (lambda: {**found, "cached": str(package)}) if found else  # --full builds it afresh
-                 (lambda: build_package(models, batch, s.max_length, package)),
+        parts = {"package": lambda: build_package(models, batch, s.max_length, package, reuse=not s.full),
                  "startup": lambda: {"package": run_probe("probes.first_draft", base, cache_dir=f"{work}/inductor",
                                                           timeout=s.probe_timeout)}}
         if s.runs("packaged_latency"):

@@ -1,6 +1,5 @@
-"""What runs in a fresh process (:func:`bench.harness.run_probe`): each function takes the JSON arguments and returns
-the figures. The top imports only the standard library: each probe imports what it measures, and the start-up probes
-time those very imports."""
+"""The functions :func:`bench.harness.run_probe` runs in a fresh process (JSON arguments in, figures out). The top
+imports only the standard library: each probe imports what it measures, and the start-up probes time those imports."""
 
 from __future__ import annotations
 
@@ -104,33 +103,26 @@ def step_compile(args: dict) -> dict:
 
     from inkling_compiled import passes as ic_passes
 
+    from .harness import random_rows
     from .models import load_models  # the model builders: transformers' too
-    from .step import make_drafter, make_inputs, prefill, step_fn
+    from .step import first_step, make_drafter, make_inputs, prefill
 
     import_s, start = _since_spawn(args), time.perf_counter()
     torch.set_num_threads(int(args["threads"]))
     device, dtype = torch.device(args["device"]), getattr(torch, args["dtype"])
     models = load_models(args["preset"], device=device, dtype=dtype, weights=args["weights"], peer=False)
-    batch, max_length = int(args["batch"]), int(args["max_length"])
-    inputs = make_inputs(models, batch, int(args["context"]))
+    batch, max_length, context = int(args["batch"]), int(args["max_length"]), int(args["context"])
+    inputs = make_inputs(models, batch, context)
     load_s = time.perf_counter() - start
-    drafter = make_drafter(models, batch, max_length, compile=True)
-    prefill(models, drafter, inputs)
     counters.clear()
     ic_passes.reset_match_counts()
-    t0 = time.perf_counter()
-    step_fn(drafter, inputs)()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    split = split_compile_times(_times())
-    graphs = counters["stats"]["unique_graphs"]
+    drafter = make_drafter(models, batch, max_length, compile=True)
+    first = first_step(models, drafter, inputs)[1]
+    split, graphs = split_compile_times(_times()), counters["stats"]["unique_graphs"]
     cache = {k: int(v) for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
-    gen = torch.Generator().manual_seed(1)
-    steps = int(args["steps"])
-    for i in range(min(steps, max_length - int(args["context"]) - 1)):
-        ids = torch.randint(3, models.config.logits_vocab_size, (batch, 1), generator=gen).to(device)
-        drafter.draft(ids, inputs.positions + 1 + i, inputs.hidden, validate=False)
+    gen, steps = torch.Generator().manual_seed(1), int(args["steps"])
+    for i in range(min(steps, max_length - context - 1)):
+        drafter.draft(*random_rows(models.mtp, batch, context + 1 + i, 1, gen), validate=False)
     capture = None
     if device.type == "cuda":
         before = _times().get("_compile.compile_inner", 0.0)

@@ -1,7 +1,5 @@
-"""The one-token draft step in fp32 / bf16 / int8 weight-only (depths; depths + head; torchao's int8, and on CUDA
-its float8, with our head), each compiled with the options a user gets (a quantized model's fast Inductor options
-included), against the fp32 step's GEMM floor in one timed run: the ``quant`` section (opt-in on tiny:
-``--with quant``)."""
+"""The ``quant`` section (opt-in on tiny: ``--with quant``): the one-token draft step per weight scheme, compiled with
+the options a user gets (a quantized model's fast Inductor options included), against the fp32 step's GEMM floor."""
 
 from __future__ import annotations
 
@@ -23,14 +21,10 @@ def _torchao(config_name: str):
 
 
 # scheme -> (dtype, quantize_ scheme (a name, a torchao config factory) or None, quantize_head)
-SCHEMES = {
-    "fp32": (torch.float32, None, False),
-    "bf16": (torch.bfloat16, None, False),
-    "int8_depths": (torch.bfloat16, "int8", False),
-    "int8_depths_head": (torch.bfloat16, "int8", True),
-    # torchao's int8 weight-only depth linears (fp32 scales) beside ours; the head is our int8 copy
-    "torchao_int8_depths_head": (torch.bfloat16, _torchao("Int8WeightOnlyConfig"), True),
-}
+SCHEMES = {"fp32": (torch.float32, None, False), "bf16": (torch.bfloat16, None, False),
+           "int8_depths": (torch.bfloat16, "int8", False), "int8_depths_head": (torch.bfloat16, "int8", True),
+           # torchao's int8 weight-only depth linears (fp32 scales) beside ours; the head is our int8 copy
+           "torchao_int8_depths_head": (torch.bfloat16, _torchao("Int8WeightOnlyConfig"), True)}
 # The schemes only a device has kernels for: float8 weights and dynamically quantized float8 activations need sm89+
 DEVICE_SCHEMES = {"cuda": {"torchao_float8_depths_head": (
     torch.bfloat16, _torchao("Float8DynamicActivationFloat8WeightConfig"), True)}}
@@ -38,7 +32,6 @@ FLOOR = "fp32_gemm_floor"
 
 
 def schemes(device: str) -> dict[str, tuple]:
-    """:data:`SCHEMES` and the device's own ones (:data:`DEVICE_SCHEMES`)."""
     return {**SCHEMES, **DEVICE_SCHEMES.get(torch.device(device).type, {})}
 
 
@@ -58,16 +51,6 @@ def _drafter(models: Models, batch: int, max_length: int) -> Drafter:
                    num_speculative_tokens=1)
 
 
-def _scheme(models: Models, inputs: S.StepInputs, max_length: int) -> tuple:
-    """One scheme's step (prefilled), its bytes (an int8 head's in place of a bf16 one's) and first call (its
-    compile included)."""
-    batch, context = inputs.ids.shape[0], inputs.prefill_ids.shape[1]
-    step = S.prefill(models, _drafter(models, batch, max_length), inputs)
-    parts, head = S.step_bytes(models, batch, context), models.mtp.quantized_head
-    nbytes = parts["total"] - parts["lm_head"] + (head.nbytes if head is not None else parts["lm_head"])
-    return step, {"step_bytes": nbytes, "compile_s": S.first_call_s(step, models.device)}
-
-
 @dataclass
 class Quant:
     batch: int
@@ -82,15 +65,14 @@ def measure(ctx: Context) -> Quant:
     s, record = ctx.settings, Quant(ctx.settings.batch_sizes[0])
     device, tag = torch.device(s.device), f"{ctx.preset} b{record.batch}"
     fp32 = _models(ctx.preset, device, torch.float32, s.weights, None, False)  # the floor's GEMMs
-    inputs = S.make_inputs(fp32, record.batch, s.context)
-    eager = Drafter(fp32.mtp, record.batch, s.max_length, compile=False, num_speculative_tokens=1)
-    S.prefill(fp32, eager, inputs)
-    steps, built = {FLOOR: S.gemm_floor(fp32, eager, inputs)}, {}
+    steps, built = {FLOOR: S.gemm_floor(fp32, S.make_inputs(fp32, record.batch, s.context), s.max_length)}, {}
     for name, (dtype, scheme, quantize_head) in schemes(s.device).items():
         progress(f"{tag}: compiling {name}")
         try:
             models = fp32 if name == "fp32" else _models(ctx.preset, device, dtype, s.weights, scheme, quantize_head)
-            steps[name], built[name] = _scheme(models, S.make_inputs(models, record.batch, s.context), s.max_length)
+            inputs = S.make_inputs(models, record.batch, s.context)
+            steps[name], compile_s = S.first_step(models, _drafter(models, record.batch, s.max_length), inputs)
+            built[name] = {"step_bytes": S.step_bytes(models, record.batch, s.context)["total"], "compile_s": compile_s}
         except Exception as e:  # noqa: BLE001 - one scheme failing must not lose the others
             progress(f"{tag}: {name} FAILED: {type(e).__name__}: {e}")
             record.errors[name] = error_text(e)[:1000]

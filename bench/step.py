@@ -1,10 +1,10 @@
-"""The one-token draft step (K = 1 decode after an eager prefill of ``context`` rows, docs/protocol.md §6.4) every
-way it runs, timed side by side: the ``latency`` section."""
+"""The ``latency`` section: the one-token draft step (docs/protocol.md §6.4) every way it runs, timed side by side."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -67,39 +67,21 @@ def make_drafter(models: Models, batch: int, max_length: int, *, compile: bool, 
 
 
 def prefill(models: Models, drafter: Drafter, inputs: StepInputs):
-    """Eager depth-0 prefill straight into the drafter's cache (no compile of the prefill shape); returns the
-    drafter's step on ``inputs`` (:func:`step_fn`)."""
+    """Eager depth-0 prefill into the drafter's cache (no compile of the prefill shape); returns the drafter's step."""
     with torch.no_grad():
         models.mtp(inputs.prefill_ids, inputs.prefill_positions, inputs.prefill_hidden, cache=drafter.cache,
                    depth=0)
-    return step_fn(drafter, inputs)
-
-
-def step_fn(drafter: Drafter, inputs: StepInputs):
     return lambda: drafter.draft(inputs.ids, inputs.positions, inputs.hidden, validate=False).tokens
 
 
-def first_call_s(step, device: torch.device) -> float:
-    """Seconds of ``step()`` (a first call: its compile included), synchronized on CUDA."""
+def first_step(models: Models, drafter: Drafter, inputs: StepInputs) -> tuple[Callable, float]:
+    """``drafter`` prefilled: its step and the seconds of the step's first call (a compile included), synchronized."""
+    step = prefill(models, drafter, inputs)
     start = time.perf_counter()
     step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
-def build_compiled(models: Models, inputs: StepInputs, max_length: int, *, passes: bool, cuda_graphs: bool = False,
-                   fresh: bool = True) -> tuple[Drafter, float, dict, dict]:
-    """Compile and run the first step: (the drafter, that call's seconds, the generated code's kernels, our passes'
-    matches)."""
-    drafter = make_drafter(models, inputs.ids.shape[0], max_length, compile=True, passes=passes,
-                           cuda_graphs=cuda_graphs, fresh=fresh)
-    step, before = prefill(models, drafter, inputs), ic_passes.match_counts()
-    with generated_code() as code:
-        first = first_call_s(step, models.device)
-    after = ic_passes.match_counts()
-    kernels = {**kernel_stats(code).to_dict(), "graphs": len(code)}  # of the wrapper(s), docs/compile.md §6
-    return drafter, first, kernels, {k: after[k] - before.get(k, 0) for k in after}
+    if models.device.type == "cuda":
+        torch.cuda.synchronize(models.device)
+    return step, time.perf_counter() - start
 
 
 class HFStep:
@@ -126,12 +108,12 @@ class HFStep:
 
 
 def step_bytes(models: Models, batch: int, context: int) -> dict:
-    """Bytes one depth-0 step must read at least: depth-0 weights, the real LM-head rows, embedding rows and
-    embed_norm, the visible K/V, the short-conv taps (writes not counted)."""
+    """Bytes one depth-0 step must read at least: depth-0 weights, the real LM-head rows (an int8 head's where
+    quantized), embedding rows and embed_norm, the visible K/V, the short-conv taps (writes not counted)."""
     c, mtp = models.config, models.mtp
     g, item = c.depths[0], models.dtype.itemsize
     layer = sum(torchao_schemes.nbytes(p) for p in mtp.layers[0].parameters())
-    head = c.logits_vocab_size * c.hidden_size * item
+    head = c.logits_vocab_size * c.hidden_size * item if mtp.quantized_head is None else mtp.quantized_head.nbytes
     embed = batch * c.hidden_size * item + (c.hidden_size * item if mtp.embed_norm_weight is not None else 0)
     visible = context + 1 if g.window is None else min(context + 1, g.window)
     kv = 2 * batch * visible * g.num_kv_heads * g.head_dim * item
@@ -148,9 +130,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / seconds
 
 
-def gemm_floor(models: Models, eager: Drafter, inputs: StepInputs) -> GemmFloor:
-    """The eager step's GEMMs recorded and replayed alone."""
-    return GemmFloor(record_gemms(step_fn(eager, inputs), models.mtp.parameters())[0], models.device)
+def gemm_floor(models: Models, inputs: StepInputs, max_length: int) -> GemmFloor:
+    """The eager step's GEMMs (on a drafter of its own) recorded and replayed alone."""
+    step = prefill(models, make_drafter(models, inputs.ids.shape[0], max_length, compile=False), inputs)
+    return GemmFloor(record_gemms(step, models.mtp.parameters())[0], models.device)
 
 
 # ------------------------------------------------------------------------------------------------ the section
@@ -196,8 +179,7 @@ def _batch(ctx: Context, models: Models, record: Latency, entry: StepLatency, co
     timed again with all the others, so one entry's figures always come from one interleaved run."""
     s, tag = ctx.settings, f"{models.preset} b{entry.batch}"
     inputs = make_inputs(models, entry.batch, s.context)
-    eager = make_drafter(models, entry.batch, s.max_length, compile=False)
-    variants = {"eager": prefill(models, eager, inputs)}
+    variants = {"eager": prefill(models, make_drafter(models, entry.batch, s.max_length, compile=False), inputs)}
 
     def attempt(name, build):
         """``build()`` kept as the variant ``name``, or None with its error recorded."""
@@ -209,26 +191,29 @@ def _batch(ctx: Context, models: Models, record: Latency, entry: StepLatency, co
         return variants.get(name)
 
     def compiled(name, passes, graphs=False):
+        """The compiled drafter's step after its first call; with ``kernels``, the generated code's (its wrappers',
+        docs/compile.md §6) and our passes' matches kept there; on CPU ``compiled``'s graph call alone too."""
         progress(f"{tag}: compiling {name}")
-        built = attempt(name, lambda: build_compiled(models, inputs, s.max_length, passes=passes, cuda_graphs=graphs,
-                                                     fresh=kernels is not None))
-        if built is not None:  # the variant is its step
-            drafter, entry.first_call_s[name], found, matched = built
-            variants[name] = step_fn(drafter, inputs)
-            if kernels is not None and not graphs:
-                side = "passes" if passes else "no_passes"
-                kernels[side], kernels[f"matches_{side}"] = found, matched
-        return built
+        drafter = make_drafter(models, entry.batch, s.max_length, compile=True, passes=passes, cuda_graphs=graphs,
+                               fresh=kernels is not None)
+        before = ic_passes.match_counts()
+        with generated_code() as code:
+            step, entry.first_call_s[name] = first_step(models, drafter, inputs)
+        if kernels is not None and not graphs:
+            after, side = ic_passes.match_counts(), "passes" if passes else "no_passes"
+            kernels[side] = {**kernel_stats(code).to_dict(), "graphs": len(code)}
+            kernels[f"matches_{side}"] = {k: after[k] - before.get(k, 0) for k in after}
+        if name == "compiled" and models.device.type == "cpu":
+            variants["compiled_call"] = drafter.static_step(*inputs.positions.shape)
+        return step
 
     if s.runs("compiled"):
         if s.runs("stock"):
-            compiled("compiled_nopasses", False)
-        built = compiled("compiled", True)
-        if built is not None and models.device.type == "cpu":
-            variants["compiled_call"] = built[0].static_step(*inputs.positions.shape)
+            attempt("compiled_nopasses", lambda: compiled("compiled_nopasses", False))
+        attempt("compiled", lambda: compiled("compiled", True))
     if models.hf_mtp is not None and s.runs("peer"):
         attempt("hf_eager", lambda: HFStep(models, inputs))
-    if s.runs("floor") and attempt("gemm_floor", lambda: gemm_floor(models, eager, inputs)):
+    if s.runs("floor") and attempt("gemm_floor", lambda: gemm_floor(models, inputs, s.max_length)):
         entry.gemms = variants["gemm_floor"].summary
         entry.gemm_calls = sum(g["count"] for g in entry.gemms)
     entry.step_bytes = step_bytes(models, entry.batch, s.context)
@@ -237,7 +222,7 @@ def _batch(ctx: Context, models: Models, record: Latency, entry: StepLatency, co
     _time(entry, variants, models.device, budget, copy_bw, tag)
     if graphs_next:
         ctx.publish(record)
-        if compiled("cudagraph", True, graphs=True) is not None:
+        if attempt("cudagraph", lambda: compiled("cudagraph", True, graphs=True)) is not None:
             _time(entry, variants, models.device, budget, copy_bw, tag)
 
 

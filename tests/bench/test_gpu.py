@@ -6,7 +6,7 @@ import torch
 
 from bench.floor import GemmFloor, record_gemms
 from bench.models import load_models
-from bench.step import copy_bandwidth, make_drafter, make_inputs, prefill, step_bytes, step_fn
+from bench.step import copy_bandwidth, make_drafter, make_inputs, prefill, step_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -21,8 +21,7 @@ def models():
 def test_floor_replays_the_step_gemms_from_one_captured_graph(models):
     inputs = make_inputs(models, 2, 16)
     eager = make_drafter(models, 2, 64, compile=False)
-    prefill(models, eager, inputs)
-    gemms, _ = record_gemms(step_fn(eager, inputs), models.mtp.parameters())
+    gemms, _ = record_gemms(prefill(models, eager, inputs), models.mtp.parameters())
     assert any(g.weight and g.mnk == (2, models.config.vocab_size, models.config.hidden_size) for g in gemms)
     floor = GemmFloor(gemms, "cuda")
     assert floor.graph is not None
