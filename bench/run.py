@@ -26,7 +26,7 @@ from . import compile_time, e2e, multimodal, packaged, plots, quant, report, sta
 from .harness import OPT_IN, Context, Settings, error_text, plain, progress, write_json
 from .models import load_models
 
-SCHEMA_ID = "inkling-bench/4"  # 4: one e2e record (the K sweep and the batches in it), startup.first_draft
+SCHEMA_ID = "inkling-bench/4"  # 4: one e2e record (the K sweep and batches in it), startup.first_draft, multimodal
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
 OUT_DIR = BENCH_DIR / "out"  # git-ignored
