@@ -162,7 +162,8 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
         raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
-    target_device, target_dtype = next(target.parameters()).device, next(target.parameters()).dtype
+    first = next(target.parameters())
+    target_device, target_dtype = first.device, first.dtype
     if target_dtype not in (torch.float32, torch.bfloat16, torch.float16):  # the drafter gets its hiddens cast
         raise ValueError(f"the target runs in {target_dtype}; speculative decoding takes a float32, bfloat16 or "
                          f"float16 target")
@@ -628,7 +629,7 @@ def _proposals(result: DraftResult, device) -> tuple[torch.Tensor, torch.Tensor 
 def _check_proposals(drafts: torch.Tensor, q: torch.Tensor | None, batch: int, k: int, vocab: int) -> None:
     """A drafter of the caller's own: drafts [B, K] of ids the target can embed (an id out of range would index
     past its embedding table), and when sampling, distributions [B, K, V]."""
-    if drafts.dim() != 2 or tuple(drafts.shape) != (batch, k):
+    if tuple(drafts.shape) != (batch, k):
         raise ValueError(f"the drafter returned drafts of shape {tuple(drafts.shape)}, expected [{batch}, {k}]")
     low, high = (int(v) for v in torch.aminmax(drafts)) if drafts.numel() else (0, 0)
     if low < 0 or high >= vocab:
