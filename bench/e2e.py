@@ -25,6 +25,7 @@ from inkling_compiled.runtime import Drafter, speculative
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 from inkling_compiled.training import distill, text_target
 
+from . import harness
 from .harness import Context, Settings, Stats, error_text, fmt, progress, random_rows, run_probe, samples_ms, table, yes
 from .models import distilled, left_pad
 from .step import compile_options
@@ -67,7 +68,9 @@ def build_target(s: Settings) -> Target:
         path = s.e2e_checkpoint
     elif s.e2e_target == "text":
         progress("e2e: the text target (trained on stdlib source, MTP self-distilled; built once, then cached)")
-        path = text_target.build(text_target.RECIPE)
+        fresh = not text_target.is_built(text_target.target_dir(text_target.RECIPE))
+        with harness.ONE_TIME.timing("the text target") if fresh else contextlib.nullcontext():
+            path = text_target.build(text_target.RECIPE)
     else:
         progress("e2e: tiny8 target checkpoint + self-distilled MTP (cached after the first run)")
         path = distilled("tiny8", s.distill_steps)
@@ -166,19 +169,19 @@ def hf_pooled(rounds: list[list[int]], depths: int) -> dict:
 
 
 def interleaved(methods: dict, inputs: list[tuple], tag: str, compiled: bool) -> dict[str, dict]:
-    """Each method's seconds over ``inputs`` (argument tuples) and its outputs in order, after one untimed warm-up
-    each (``warmup_s``; last method first: a K > 1 round packaged on first use leaves the compiled drafters warmed
-    before it to compile again); the methods take turns input by input, order rotating."""
+    """Each method's seconds over ``inputs`` (argument tuples) and its outputs in order, after an untimed warm-up
+    over every input (``warmup_s``: the first; last method first: a K > 1 round packaged on first use leaves the
+    compiled drafters warmed before it to compile again); the methods take turns input by input, order rotating."""
     figures = {name: {"seconds": 0.0, "outputs": []} for name in methods}
     names = list(methods)
     with torch.no_grad():
         for name, fn in reversed(methods.items()):
-            packs = compiled and "_k" in name and not name.endswith("_k1")  # round_cache's
-            progress(f"{tag}: {label(name)}: warm-up" + (" (where this machine's round cache lacks its rounds, "
-                                                         "it packages them first: minutes, once)" if packs else ""))
+            progress(f"{tag}: {label(name)}: warm-up")
             start = time.perf_counter()
             fn(*inputs[0])
             figures[name]["warmup_s"] = time.perf_counter() - start
+            for args in inputs[1:]:  # so that no bucket is first met (compiled, or its round packaged) while timed
+                fn(*args)
         progress(f"{tag}: timing {len(inputs)} inputs x {len(methods)} methods, interleaved")
         for i, args in enumerate(inputs):
             for name in names[i % len(names):] + names[:i % len(names)]:

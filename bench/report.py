@@ -155,6 +155,17 @@ def headline_lines(result: dict) -> list[str]:
     return table(rows) if len(rows) > 1 else []
 
 
+def wall_line(result: dict) -> str:
+    """The run's wall time, and apart from it what this machine built once for later runs (they skip it)."""
+    built = result.get("one_time_s") or {}
+    if not built:
+        return f"wall time {result['wall_s']:.0f} s"
+    total = sum(built.values())
+    return (f"wall time {result['wall_s']:.0f} s: measuring {result['wall_s'] - total:.0f} s, one-time builds "
+            f"{total:.0f} s ({', '.join(f'{kind} {s:.0f} s' for kind, s in built.items())}; cached: later runs skip "
+            "them)")
+
+
 def append_results(path: Path, result: dict, text: str) -> None:
     m = result["machine"]
     entry = [f"## {result['date']}", "", f"- command: `{result['command']}`",

@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from . import compile_time, e2e, multimodal, packaged, plots, quant, report, startup, step, tp
-from .harness import OPT_IN, Context, Settings, error_text, plain, progress, write_json
+from .harness import ONE_TIME, OPT_IN, Context, Settings, error_text, plain, progress, write_json
 from .models import load_models
 
 SCHEMA_ID = "inkling-bench/4"  # 4: one e2e record (the K sweep and batches in it), startup.first_draft, multimodal
@@ -178,7 +178,8 @@ def run(argv=None) -> dict:
     if s.device == "cpu":
         torch.set_num_threads(s.threads)
     try:
-        return _run(s, sys.argv[1:] if argv is None else list(argv), start)
+        with ONE_TIME.recording():
+            return _run(s, sys.argv[1:] if argv is None else list(argv), start)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -187,11 +188,12 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
     result = {"schema": SCHEMA_ID, "command": shlex.join(["python", "-m", "bench", "run", *given]),
               "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "wall_s": 0.0, "partial": True,
               "completed": [], "machine": machine_info(s.threads), "settings": s.summary(), "configs": {},
-              "goals": []}
+              "goals": [], "one_time_s": {}}
 
     def save(done: str | None = None, partial: bool = True) -> None:
         result["completed"] += [done] if done else []
-        result.update(wall_s=time.perf_counter() - start, goals=report.evaluate_goals(result), partial=partial)
+        result.update(wall_s=time.perf_counter() - start, goals=report.evaluate_goals(result), partial=partial,
+                      one_time_s=dict(ONE_TIME.seconds))
         write_json(s.json_path, result)
 
     save()
@@ -260,7 +262,7 @@ def format_table(result: dict) -> str:
                   f"{d['head_dim']} heads ({d['kv_heads']} kv, {attention}) | {model['weights']} weights | "
                   f"{s['device']} {s['dtype']} | context {s['context']} ==", *sections(cfg)]
     return "\n".join([*lines, *sections(result), "", *report.headline_lines(result), "",
-                      *report.goal_lines(result["goals"]), f"\nwall time {result['wall_s']:.0f} s"])
+                      *report.goal_lines(result["goals"]), "", report.wall_line(result)])
 
 
 # ------------------------------------------------------------------------------------------------ sub-commands

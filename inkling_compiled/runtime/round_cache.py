@@ -10,7 +10,8 @@ An entry is an ordinary package of one bucket (``Drafter.load_compiled`` reads i
 manifest is compared with what this drafter needs (``packaged.mismatch``: config, dtype, quantization, K, device,
 torch, pass version) and its layout with the drafter's; an entry that differs in any of them, or that cannot be
 read, is refused, removed and built again. A build that fails (no C++ compiler, a read-only cache) warns and the
-bucket runs the compiled round instead.
+bucket runs the compiled round instead. A build takes a minute or two per bucket on a small CPU, so it is logged
+(``logging`` INFO on this module's logger, when it starts and with its seconds, ``build_s``, when it ends).
 
 ``INKLING_COMPILED_ROUNDS`` names the cache directory (default ``~/.cache/inkling_compiled/rounds``); ``off`` turns
 the cache off, so every drafter compiles its rounds as on CUDA (where a round is already one CUDA graph and nothing
@@ -22,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -33,6 +36,7 @@ import torch
 from . import packaged
 
 ENV_VAR = "INKLING_COMPILED_ROUNDS"
+_log = logging.getLogger(__name__)
 _OFF = ("0", "false", "off", "no")
 
 
@@ -96,7 +100,7 @@ def cached_round(drafter, shape):
             if directory.exists():
                 _remove(directory)
             try:
-                packaged.save_rounds(drafter, directory, [shape])
+                _build(drafter, shape, directory)
             except packaged.PackageError:
                 if not directory.exists():
                     raise
@@ -109,6 +113,16 @@ def cached_round(drafter, shape):
         warnings.warn(f"could not build or load the packaged round of bucket {shape.key} in {directory} "
                       f"({type(e).__name__}: {e}); running the compiled round instead", RuntimeWarning, stacklevel=4)
         return None
+
+
+def _build(drafter, shape, directory: Path) -> None:
+    _log.info("packaging the K = %d round of bucket %s into %s (once per machine)", drafter.num_speculative_tokens,
+              shape.key, directory)
+    start = time.perf_counter()
+    packaged.save_rounds(drafter, directory, [shape])
+    seconds = time.perf_counter() - start
+    _log.info("packaged the round of bucket %s in %.1f s", shape.key, seconds,
+              extra={"build_s": seconds, "directory": str(directory)})
 
 
 def _usable(drafter, shape, directory: Path):

@@ -4,6 +4,7 @@ asked; the command line refuses bad options by name."""
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 
 from bench import e2e, harness, report, run, step
 from bench.probes import split_compile_times
+from inkling_compiled.runtime import round_cache
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,23 @@ def test_goals_are_printed_with_values_or_na(quick):
     table = run.format_table(result)
     assert "goals (targets, not asserts)" in table and "tiny draft step, ms (compiled)" in table
     assert all(g["text"] in table for g in result["goals"])
+
+
+def test_one_time_builds_are_counted_apart_from_the_measurement(quick, tmp_path, monkeypatch):
+    assert quick[0]["one_time_s"] == {}  # nothing built once in that run
+    assert report.wall_line(quick[0]) == f"wall time {quick[0]['wall_s']:.0f} s"
+    monkeypatch.setenv(round_cache.ENV_VAR, str(tmp_path / "rounds"))
+    log = logging.getLogger(round_cache.__name__)
+    with harness.ONE_TIME.recording() as built:
+        log.info("packaged", extra={"build_s": 90.0, "directory": str(tmp_path / "rounds" / "entry")})
+        log.info("packaged", extra={"build_s": 5.0, "directory": str(tmp_path / "elsewhere")})  # a section's own
+        with built.timing("the text target"):
+            pass
+    assert built.seconds["packaged K-depth rounds"] == 90.0
+    assert set(built.seconds) == {"packaged K-depth rounds", "the text target"}
+    assert log.handlers == [] and log.level == logging.NOTSET  # left as it was
+    line = report.wall_line({"wall_s": 200.0, "one_time_s": {"packaged K-depth rounds": 90.0, "text target": 30.0}})
+    assert line.startswith("wall time 200 s: measuring 80 s, one-time builds 120 s (packaged K-depth rounds 90 s")
 
 
 def test_record_appends_an_entry(quick):

@@ -8,6 +8,7 @@ four rows that every window of a round falls in (``graph_rows=(4,)``): the prolo
 AOTInductor compiles. The rebuild test swaps the build for a copy of that entry, so it compiles nothing."""
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -158,7 +159,7 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
-def test_a_refused_or_damaged_entry_is_removed_and_rebuilt(model, built, tmp_path, monkeypatch, damage):
+def test_a_refused_or_damaged_entry_is_removed_and_rebuilt(model, built, tmp_path, monkeypatch, caplog, damage):
     _, drafts, entry = built
     monkeypatch.setenv(round_cache.ENV_VAR, str(tmp_path))
     DAMAGES[damage](shutil.copytree(entry, tmp_path / entry.name))
@@ -170,8 +171,13 @@ def test_a_refused_or_damaged_entry_is_removed_and_rebuilt(model, built, tmp_pat
 
     monkeypatch.setattr(packaged, "save_rounds", rebuild)
     drafter = cached_drafter(model)
-    assert decode(drafter, 8) == drafts[:8]
+    with caplog.at_level(logging.INFO, logger=round_cache.__name__):
+        assert decode(drafter, 8) == drafts[:8]
+        decode(cached_drafter(model), 8)  # the rebuilt entry is reused: nothing more is built, nothing logged
     assert builds == [[KEY]] and drafter.packaged_buckets == (KEY,)
+    started, ended = caplog.records  # the build is logged when it starts and, with its seconds, when it ends
+    assert f"packaging the K = {K} round of bucket {KEY}" in started.getMessage()
+    assert ended.build_s >= 0 and f"packaged the round of bucket {KEY} in" in ended.getMessage()
     assert round_cache.refusal(drafter, KEY, tmp_path / entry.name) is None  # the new entry in the stale one's place
     assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # nothing else left behind
 
@@ -198,3 +204,4 @@ def test_the_cache_is_off_by_default_for_k_1_and_by_the_switch(model, monkeypatc
     assert round_cache.cache_root() is None
     with pytest.raises(ValueError, match=r"cached_rounds must be a bool or None, got 'yes'"):
         Drafter(model, 1, MAX_LENGTH, cached_rounds="yes")
+
