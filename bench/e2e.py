@@ -168,7 +168,7 @@ def hf_pooled(rounds: list[list[int]], depths: int) -> dict:
             "acceptance_per_position": [sum(r[1] > j for r in drafting) / n for j in range(depths)]}
 
 
-def interleaved(methods: dict, inputs: list[tuple], tag: str, compiled: bool) -> dict[str, dict]:
+def interleaved(methods: dict, inputs: list[tuple], tag: str) -> dict[str, dict]:
     """Each method's seconds over ``inputs`` (argument tuples) and its outputs in order, after an untimed warm-up
     over every input (``warmup_s``: the first; last method first: a K > 1 round packaged on first use leaves the
     compiled drafters warmed before it to compile again); the methods take turns input by input, order rotating."""
@@ -317,7 +317,7 @@ def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, 
     methods = {"target": generate(gconfig), **({"target_loop": loop} if cfg.target_loop else {}),
                **({"hf_mtp": generate(gconfig_mtp, count_hf_matches)} if cfg.hf_mtp else {}),
                **{n: ours(d) for n, d in drafters.items()}}
-    figures = interleaved(methods, [(prompts[i:i + 1],) for i in range(cfg.prompts)], "e2e", cfg.compiled)
+    figures = interleaved(methods, [(prompts[i:i + 1],) for i in range(cfg.prompts)], "e2e")
     record = E2E(target_label or f"distilled checkpoint {checkpoint}", str(checkpoint), cfg.prompts,
                  prompts.shape[1], new, text.num_mtp_layers, distill=distill_metrics)
     base, hf_s = figures["target"]["seconds"], figures.get("hf_mtp", {}).get("seconds")
@@ -353,7 +353,7 @@ def _batched(target, drafters: dict, ours, alone, prompts, cfg: E2EConfig, batch
         records = {k: defaultdict(list) for k in drafters}
         methods = {"target": alone, **{f"{mode}_k{k}": ours(d, mode == "lockstep", records[k] if mode == "per_row"
                                                             else None) for k, d in drafters.items() for mode in MODES}}
-        figures = interleaved(methods, groups, f"e2e batch {batch}", cfg.compiled)
+        figures = interleaved(methods, groups, f"e2e batch {batch}")
         found["target"][str(batch)] = tokens / figures["target"]["seconds"]
         reference = [out for out, _ in figures["target"]["outputs"]]
         for k in drafters:
