@@ -239,9 +239,10 @@ class Drafter:
     K + 1) are the window sizes that get an exact bucket and, on CUDA, a captured graph.
 
     ``cached_rounds`` (default: on for K > 1 on CPU when compiling a model that can be packaged) runs each bucket's
-    round packaged, built on its first call and cached on disk for every later drafter and process
-    (``runtime/round_cache.py``, docs/compile.md §12.1); off, the round is K + 1 compiled calls, which on CPU cost
-    Dynamo's guards and Python each. CUDA is unaffected: there a round is one CUDA graph.
+    round packaged, built on the first call of its (batch bucket, greedy/sampled), one package for every window
+    width, and cached on disk for every later drafter and process (``runtime/round_cache.py``, docs/compile.md
+    §12.1); off, the round is K + 1 compiled calls, which on CPU cost Dynamo's guards and Python each. CUDA is
+    unaffected: there a round is one CUDA graph.
     """
 
     def __init__(self, model: InklingMTP, max_batch_size: int, max_length: int, *,
@@ -533,7 +534,7 @@ class Drafter:
     @property
     def packaged_buckets(self) -> tuple[tuple[int, int, bool], ...]:
         """The (batch bucket, rows, sampled) buckets that run a packaged round (:meth:`load_compiled`, or from the
-        round cache)."""
+        round cache: every width its entry serves, once one of them has run)."""
         return tuple(self._packaged)
 
     def _round_of(self, shape: _BucketBuffers):
@@ -558,9 +559,8 @@ class Drafter:
             shape.graph.replay()
             return shape.outputs
         if not shape.compiled and self.cached_rounds and shape.key not in self._packaged:
-            found = round_cache.cached_round(self, shape)  # None: the cache is off, or the build failed (warned)
-            if found is not None:
-                self._packaged[shape.key] = found
+            # every width of the bucket's entry at once; {}: the cache is off, or the build failed (warned)
+            self._packaged.update(round_cache.cached_rounds(self, shape))
         step = self._round_of(shape)
         if shape.compiled or shape.key in self._packaged:  # the hot path: no config patching, which costs more than
             with torch.no_grad():                           # a tiny step (and a packaged round never needs it)

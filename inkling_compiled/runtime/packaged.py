@@ -25,7 +25,10 @@ checksum, inputs, constants and matches) and one ``.pt2`` per step, written atom
 
 A drafter's package (:func:`save_rounds`, :func:`load_rounds`, behind ``Drafter.save_compiled`` /
 ``Drafter.load_compiled``) holds, per (batch bucket, rows, greedy/sampled) bucket, the window prologue (K > 1) and
-one depth step per depth geometry, which every depth of that geometry runs over its own parameters and cache.
+one depth step per depth geometry, which every depth of that geometry runs over its own parameters and cache. Saved
+with a ``rows`` range (the round cache's entries, ``runtime/round_cache.py``), each bucket's steps are exported with
+the window's rows dynamic in it, and the one package serves every window width in the range that the drafter's calls
+run as.
 """
 
 from __future__ import annotations
@@ -216,16 +219,19 @@ def matches(directory, manifest: dict, here: dict, *, fallback: bool) -> bool:
 # ------------------------------------------------------------------------------------------------ saving
 
 def save(directory, steps: Mapping[str, tuple[Callable, Sequence[torch.Tensor], nn.Module]], *,
-         built_for: dict, layout: dict, inductor_options: Mapping) -> Path:
+         built_for: dict, layout: dict, inductor_options: Mapping,
+         dynamic_shapes: Mapping[str, tuple] | None = None) -> Path:
     """Export and package each ``name -> (step, example inputs, state)`` into a new ``directory`` (atomically: it
-    appears complete or not at all); ``layout`` is the caller's record of how to rebuild the states."""
+    appears complete or not at all); ``layout`` is the caller's record of how to rebuild the states;
+    ``dynamic_shapes`` gives a step's inputs' dynamic dims (``torch.export``'s spec, one entry per input)."""
     directory = Path(directory)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise PackageError(f"{directory} already exists: packages are not overwritten; remove it or choose another "
                            "directory")
 
     def build(temporary: Path) -> None:
-        records = {name: _package(step, inputs, state, temporary / f"{name}.pt2", inductor_options)
+        records = {name: _package(step, inputs, state, temporary / f"{name}.pt2", inductor_options,
+                                  (dynamic_shapes or {}).get(name))
                    for name, (step, inputs, state) in steps.items()}
         manifest = {"format": FORMAT, "built_for": built_for, "layout": layout,
                     "threads": torch.get_num_threads(),  # CPU kernels keep the thread count they were compiled with
@@ -236,7 +242,7 @@ def save(directory, steps: Mapping[str, tuple[Callable, Sequence[torch.Tensor], 
 
 
 def _package(step: Callable, inputs: Sequence[torch.Tensor], state: nn.Module, path: Path,
-             inductor_options: Mapping) -> dict:
+             inductor_options: Mapping, dynamic_shapes: tuple | None = None) -> dict:
     """One step exported and compiled into ``path``; its manifest record."""
     from torch._functorch import config as functorch_config
     from torch._inductor import aoti_compile_and_package
@@ -248,7 +254,8 @@ def _package(step: Callable, inputs: Sequence[torch.Tensor], state: nn.Module, p
         # torch's packaging deep-copies its own tree specs, and copying a LeafSpec trips torch's deprecation of it
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
         with torch.no_grad():
-            program = torch.export.export(_Exported(step, state), tuple(inputs), strict=True)
+            program = torch.export.export(_Exported(step, state), tuple(inputs), strict=True,  # forward(*inputs)
+                                          dynamic_shapes=None if dynamic_shapes is None else (dynamic_shapes,))
         baked = sorted(program.constants)
         if baked:  # a tensor the step reads that is not in the state would be frozen into the package
             raise PackageError(f"the step reads tensors outside its state (the model's, its cache's): {baked}")
@@ -372,9 +379,19 @@ def _depth_state(drafter, k: int) -> nn.Module:
     return depth_state(drafter.model, drafter.model.layers[k], drafter.cache.depths[k])
 
 
-def save_rounds(drafter, directory, buckets: Sequence) -> Path:
+def widths(drafter, rows: Sequence[int]) -> list[int]:
+    """The window widths in ``rows`` (lowest, highest) that the drafter's calls run as (``Drafter.bucket``: its graph
+    rows and the powers of two)."""
+    low, high = rows
+    powers = (1 << i for i in range(high.bit_length()))
+    return sorted({w for w in (*drafter.graph_rows, *powers) if low <= w <= high})
+
+
+def save_rounds(drafter, directory, buckets: Sequence, rows: tuple[int, int] | None = None) -> Path:
     """Package the round of each of ``buckets`` (the drafter's static buffers of a bucket, as example inputs) of a
-    ``Drafter`` into the new ``directory``, with the drafter's layout; ``Drafter.save_compiled`` documents it."""
+    ``Drafter`` into the new ``directory``, with the drafter's layout; ``Drafter.save_compiled`` documents it. With
+    ``rows`` (lowest, highest; the lowest at least 2, which export does not specialize), the window's rows are
+    dynamic in that range: each bucket's steps then serve every width of :func:`widths`."""
     if drafter._freezing:  # frozen weights are compiled into the code: the package could not read the model's own
         raise ValueError("save_compiled: this drafter compiles with Inductor freezing (a quantized model's fast "
                          "path, docs/compile.md §11), which folds the weights into the code; package with "
@@ -394,19 +411,25 @@ def save_rounds(drafter, directory, buckets: Sequence) -> Path:
         for k in sorted(set(geometry_depths(drafter))):
             step = functools.partial(drafter._depth, model.layers[k], drafter.cache.depths[k])
             steps[_step_name(buffers.key, f"depth{k}")] = (step, inputs + sampling, _depth_state(drafter, k))
+    dynamic = None
+    if rows is not None:  # every step's ids, positions and hidden are [batch, rows, ...]; its sampling inputs are not
+        dim = torch.export.Dim("rows", min=rows[0], max=rows[1])
+        dynamic = {name: ({1: dim},) * 3 + (None,) * (len(given) - 3) for name, (_, given, _) in steps.items()}
     layout = {"max_batch_size": drafter.max_batch_size, "max_length": drafter.max_length,
               "graph_rows": drafter.graph_rows,
               # the buckets a new Drafter given these rebuilds, with the same largest graph bucket
               "batch_buckets": [b for b in drafter.batch_buckets if b <= drafter.graph_batch_limit],
-              "buckets": [buffers.key for buffers in buckets], "depth_steps": geometry_depths(drafter)}
+              "buckets": [buffers.key for buffers in buckets], "depth_steps": geometry_depths(drafter),
+              "rows": None if rows is None else list(rows)}
     options = drafter._inductor_options
     return save(directory, steps, built_for=built_for(model, options, drafter.num_speculative_tokens), layout=layout,
-                inductor_options=options)
+                inductor_options=options, dynamic_shapes=dynamic)
 
 
 def load_rounds(drafter, directory, manifest: dict) -> dict[tuple[int, int, bool], functools.partial]:
     """Bucket key -> the packaged round of that bucket, its steps bound to ``drafter``'s model and cache (the drafter
-    built from the manifest's layout, :func:`read_manifest` with :data:`LAYOUT_KEYS`)."""
+    built from the manifest's layout, :func:`read_manifest` with :data:`LAYOUT_KEYS`); a package saved with a ``rows``
+    range gives each bucket's round under the key of every width of :func:`widths`."""
     layout = manifest["layout"]
     window = _history_state(drafter) if drafter.history is not None else None
     rounds = {}
@@ -414,5 +437,8 @@ def load_rounds(drafter, directory, manifest: dict) -> dict[tuple[int, int, bool
         prologue = None if window is None else load_step(directory, manifest, _step_name(key, "window"), window)
         depths = [load_step(directory, manifest, _step_name(key, f"depth{layout['depth_steps'][j]}"),
                             _depth_state(drafter, j)) for j in range(drafter.num_speculative_tokens)]
-        rounds[key] = functools.partial(drafter._round, prologue, depths)
+        batch, width, sampled = key
+        served = [width] if layout.get("rows") is None else widths(drafter, layout["rows"])
+        round_ = functools.partial(drafter._round, prologue, depths)
+        rounds.update({(batch, w, sampled): round_ for w in served})
     return rounds

@@ -2,16 +2,20 @@
 
 A compiled K-depth round on CPU is K + 1 compiled calls, each paying Dynamo's guards and Python around microseconds
 of kernels; the packaged round (``runtime/packaged.py``) runs the same steps with none of that. So a CPU drafter
-with K > 1 packages a bucket's round the first time it runs it, into a directory under :func:`cache_root` named by a
-hash of everything the code depends on (:func:`entry_name`), and every later drafter, in this process or another,
-loads it from there: no export, no compile, no Dynamo.
+with K > 1 packages a (batch bucket, greedy/sampled) round the first time it runs it, into a directory under
+:func:`cache_root` named by a hash of everything the code depends on (:func:`entry_name`), and every later drafter,
+in this process or another, loads it from there: no export, no compile, no Dynamo.
 
-An entry is an ordinary package of one bucket (``Drafter.load_compiled`` reads it too). Before one is used, its
-manifest is compared with what this drafter needs (``packaged.mismatch``: config, dtype, quantization, K, device,
-torch, pass version) and its layout with the drafter's; an entry that differs in any of them, or that cannot be
-read, is refused, removed and built again. A build that fails (no C++ compiler, a read-only cache) warns and the
-bucket runs the compiled round instead. A build takes a minute or two per bucket on a small CPU, so it is logged
-(``logging`` INFO on this module's logger, when it starts and with its seconds, ``build_s``, when it ends).
+An entry is an ordinary package of one bucket (``Drafter.load_compiled`` reads it too) whose steps are exported with
+the window's rows dynamic, from K to the power of two at or above ``max_length`` (:func:`rows_range`): one entry
+serves every window width of its batch bucket, the decode windows K and K + 1 and every prompt's, so a generation
+builds one entry, not one per width (a build takes about 1.3x one static bucket's; its rounds run as fast,
+docs/compile.md §12.1). Before one is used, its manifest is compared with what this drafter needs
+(``packaged.mismatch``: config, dtype, quantization, K, device, torch, pass version) and its layout with the
+drafter's; an entry that differs in any of them, or that cannot be read, is refused, removed and built again. A
+build that fails (no C++ compiler, a read-only cache) warns and the bucket runs the compiled round instead. A build
+takes a minute or two on a small CPU, so it is logged (``logging`` INFO on this module's logger, when it starts and
+with its seconds, ``build_s``, when it ends).
 
 ``INKLING_COMPILED_ROUNDS`` names the cache directory (default ``~/.cache/inkling_compiled/rounds``); ``off`` turns
 the cache off, so every drafter compiles its rounds as on CUDA (where a round is already one CUDA graph and nothing
@@ -48,13 +52,24 @@ def cache_root() -> Path | None:
     return Path(value) if value else Path.home() / ".cache" / "inkling_compiled" / "rounds"
 
 
-def entry_layout(drafter, key: tuple[int, int, bool]) -> dict:
-    """The layout a drafter's entry for bucket ``key`` records (and an entry must have to serve it)."""
+def rows_range(drafter) -> tuple[int, int]:
+    """The window widths an entry serves: K (the narrowest window) to the widest a call of ``max_length`` rows runs
+    as."""
+    k = drafter.num_speculative_tokens
+    return k, 1 << (max(drafter.max_length, k) - 1).bit_length()
+
+
+def entry_layout(drafter, key: tuple[int, bool]) -> dict:
+    """The layout a drafter's entry for ``key`` (batch bucket, sampled) records (and an entry must have to serve it):
+    its one bucket is exported at K rows, whatever width first needed it, so that an entry's code does not depend on
+    which came first."""
+    batch, sampled = key
     return {"max_batch_size": drafter.max_batch_size, "max_length": drafter.max_length,
-            "buckets": [list(key)], "depth_steps": packaged.geometry_depths(drafter)}
+            "buckets": [[batch, drafter.num_speculative_tokens, sampled]], "rows": list(rows_range(drafter)),
+            "depth_steps": packaged.geometry_depths(drafter)}
 
 
-def entry_name(drafter, key: tuple[int, int, bool]) -> str:
+def entry_name(drafter, key: tuple[int, bool]) -> str:
     """The entry's directory name: the bucket, readable, and a hash of what its code depends on (the package's
     ``built_for``, the layout, the Inductor options and the thread count its CPU kernels keep)."""
     here = packaged.built_for(drafter.model, drafter._inductor_options, drafter.num_speculative_tokens)
@@ -62,12 +77,12 @@ def entry_name(drafter, key: tuple[int, int, bool]) -> str:
     record = {"built_for": {k: here[k] for k in packaged.BUILT_FOR}, "layout": entry_layout(drafter, key),
               "options": options, "threads": torch.get_num_threads()}
     digest = hashlib.sha256(json.dumps(record, sort_keys=True, default=repr).encode()).hexdigest()[:20]
-    batch, rows, sampled = key
-    return f"k{drafter.num_speculative_tokens}-b{batch}-r{rows}-{'sampled' if sampled else 'greedy'}-{digest}"
+    (batch, sampled), (low, high) = key, rows_range(drafter)
+    return f"k{drafter.num_speculative_tokens}-b{batch}-r{low}-{high}-{'sampled' if sampled else 'greedy'}-{digest}"
 
 
-def refusal(drafter, key: tuple[int, int, bool], directory: Path) -> str | None:
-    """Why the entry in ``directory`` cannot serve bucket ``key`` of ``drafter`` (None: it can)."""
+def refusal(drafter, key: tuple[int, bool], directory: Path) -> str | None:
+    """Why the entry in ``directory`` cannot serve ``key`` (batch bucket, sampled) of ``drafter`` (None: it can)."""
     try:
         manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
     except packaged.PackageError as e:
@@ -86,52 +101,58 @@ def refusal(drafter, key: tuple[int, int, bool], directory: Path) -> str | None:
     return None
 
 
-def cached_round(drafter, shape):
-    """The packaged round of ``shape``'s bucket (``_BucketBuffers``) from the cache, built first if it is missing,
-    refused or damaged; None when the cache is off or the build failed (warned), and the bucket runs the compiled
-    round."""
+def cached_rounds(drafter, shape) -> dict:
+    """The packaged round of ``shape``'s (batch bucket, sampled) (``_BucketBuffers``) from the cache, built first if
+    it is missing, refused or damaged, under the key of every width it serves; {} when the cache is off, the width
+    is outside :func:`rows_range` or the build failed (warned), and the bucket runs the compiled round."""
     root = cache_root()
-    if root is None:
-        return None
-    directory = root / entry_name(drafter, shape.key)
+    low, high = rows_range(drafter)
+    if root is None or not low <= shape.rows <= high:
+        return {}
+    key = (shape.batch, shape.sampled)
+    directory = root / entry_name(drafter, key)
     try:
-        found = _usable(drafter, shape, directory) if directory.exists() else None
+        found = _usable(drafter, key, directory) if directory.exists() else None
         if found is None:
             if directory.exists():
                 _remove(directory)
             try:
-                _build(drafter, shape, directory)
+                _build(drafter, key, directory)
             except packaged.PackageError:
                 if not directory.exists():
                     raise
                 # else another process built the entry since, and its copy is checked and used
-            found = _usable(drafter, shape, directory)
+            found = _usable(drafter, key, directory)
             if found is None:
-                raise packaged.PackageError(refusal(drafter, shape.key, directory) or f"{directory} cannot be loaded")
+                raise packaged.PackageError(refusal(drafter, key, directory) or f"{directory} cannot be loaded")
         return found
     except (OSError, RuntimeError, ValueError) as e:  # PackageError is a ValueError
         warnings.warn(f"could not build or load the packaged round of bucket {shape.key} in {directory} "
                       f"({type(e).__name__}: {e}); running the compiled round instead", RuntimeWarning, stacklevel=4)
-        return None
+        return {}
 
 
-def _build(drafter, shape, directory: Path) -> None:
-    _log.info("packaging the K = %d round of bucket %s into %s (once per machine)", drafter.num_speculative_tokens,
-              shape.key, directory)
+def _build(drafter, key: tuple[int, bool], directory: Path) -> None:
+    from .drafter import _BucketBuffers  # the example inputs: the bucket at K rows (entry_layout)
+
+    batch, sampled = key
+    rows = rows_range(drafter)
+    _log.info("packaging the K = %d round of batch bucket %d (%s, %d to %d rows) into %s (once per machine)",
+              drafter.num_speculative_tokens, batch, "sampled" if sampled else "greedy", *rows, directory)
     start = time.perf_counter()
-    packaged.save_rounds(drafter, directory, [shape])
+    packaged.save_rounds(drafter, directory, [_BucketBuffers(drafter, batch, rows[0], sampled)], rows=rows)
     seconds = time.perf_counter() - start
-    _log.info("packaged the round of bucket %s in %.1f s", shape.key, seconds,
-              extra={"build_s": seconds, "directory": str(directory)})
+    _log.info("packaged the round of batch bucket %d (%s) in %.1f s", batch, "sampled" if sampled else "greedy",
+              seconds, extra={"build_s": seconds, "directory": str(directory)})
 
 
-def _usable(drafter, shape, directory: Path):
-    """The entry's round, or None when it is refused or cannot be loaded (a corrupt or missing step file)."""
-    if refusal(drafter, shape.key, directory) is not None:
+def _usable(drafter, key: tuple[int, bool], directory: Path) -> dict | None:
+    """The entry's rounds, or None when it is refused or cannot be loaded (a corrupt or missing step file)."""
+    if refusal(drafter, key, directory) is not None:
         return None
     try:
         manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
-        return packaged.load_rounds(drafter, directory, manifest)[shape.key]
+        return packaged.load_rounds(drafter, directory, manifest)
     except packaged.PackageError:
         return None
 

@@ -1,11 +1,13 @@
 """The packaged round cached on disk (runtime/round_cache.py, docs/compile.md §12.1): a K > 1 CPU drafter builds it on
-its first call of a bucket; a second process reuses it with no compile and without importing Dynamo, Inductor or
-transformers (so does ``Drafter.load_compiled`` of the entry); an entry that differs in any recorded field is
-refused and rebuilt; and it drafts as the compiled round does over 64 rounds with every accepted count.
+its first call of a (batch bucket, greedy/sampled), and that one entry serves every window width (rows dynamic);
+a second process reuses it with no compile and without importing Dynamo, Inductor or transformers (so does
+``Drafter.load_compiled`` of the entry); an entry that differs in any recorded field is refused and rebuilt; and it
+drafts as the compiled round does over a prompt and 64 rounds with every accepted count.
 
-One entry is built per module and shared: K = 3 over three sliding depths of a checkpoint directory, one bucket of
-four rows that every window of a round falls in (``graph_rows=(4,)``): the prologue and one depth step, two
-AOTInductor compiles. The rebuild test swaps the build for a copy of that entry, so it compiles nothing."""
+One entry is built per module and shared: K = 3 over three sliding depths of a checkpoint directory, batch 1,
+greedy, serving the prompt's window (six rows: eight, padded) and both decode windows (three and four rows): the
+prologue and one depth step, two AOTInductor compiles. The rebuild test swaps the build for a copy of that entry,
+so it compiles nothing."""
 
 import json
 import logging
@@ -23,9 +25,10 @@ from inkling_compiled.runtime import Drafter, packaged, round_cache
 from inkling_compiled.testing.synthetic import cached_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-K, MAX_LENGTH, ROUNDS = 3, 160, 64
-GRAPH_ROWS = (K + 1,)
-KEY = (1, K + 1, False)
+K, MAX_LENGTH, ROUNDS, PROMPT = 3, 192, 64, 6
+ENTRY = (1, False)  # (batch bucket, sampled)
+ROWS = (K, 256)  # the widths it serves: K to the power of two at or above MAX_LENGTH
+SERVED = tuple((1, w, False) for w in (3, 4, 8, 16, 32, 64, 128, 256))  # the decode windows and the powers of two
 HEAVY = ("torch._dynamo", "torch._inductor", "transformers")
 
 
@@ -41,9 +44,9 @@ def peaked_model() -> InklingMTP:
 
 
 def decode(drafter: Drafter, rounds: int = ROUNDS) -> list[list[int]]:
-    """The drafts of ``rounds`` rounds from position 0, a + 1 new rows after a round that accepted a drafts, a = 0..K
-    in turn, over one seeded stream of committed rows."""
-    rows_per_round = [1 + i % (K + 1) for i in range(ROUNDS)]
+    """The drafts of a prompt of ``PROMPT`` rows and then ``rounds - 1`` rounds, a + 1 new rows after a round that
+    accepted a drafts, a = 0..K in turn, over one seeded stream of committed rows."""
+    rows_per_round = [PROMPT] + [1 + i % (K + 1) for i in range(ROUNDS - 1)]
     length = sum(rows_per_round)  # one stream whatever ``rounds``: the first rounds of any run see the same rows
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, drafter.model.config.logits_vocab_size, (1, length), generator=gen)
@@ -59,7 +62,7 @@ def decode(drafter: Drafter, rounds: int = ROUNDS) -> list[list[int]]:
 
 
 def cached_drafter(model: InklingMTP) -> Drafter:
-    return Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=K, graph_rows=GRAPH_ROWS)
+    return Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=K)
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +88,18 @@ def built(model, rounds_dir):
         drafter = cached_drafter(model)
         drafts = decode(drafter)
     entries = [p for p in rounds_dir.iterdir() if not p.name.startswith(".")]
-    assert len(entries) == 1 and drafter.packaged_buckets == (KEY,)
+    assert len(entries) == 1 and drafter.packaged_buckets == SERVED  # one entry for the three widths met, and more
     return drafter, drafts, entries[0]
 
 
-def test_the_cached_round_drafts_as_the_compiled_round_over_64_rounds_and_every_accepted_count(model, built):
+def test_one_cached_round_drafts_as_the_compiled_round_at_every_width_over_64_rounds_and_every_accepted_count(model,
+                                                                                                            built):
     drafter, drafts, entry = built
-    assert entry.name == round_cache.entry_name(drafter, KEY)
-    compiled = Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=K, graph_rows=GRAPH_ROWS, cached_rounds=False)
+    assert entry.name == round_cache.entry_name(drafter, ENTRY)
+    layout = json.loads((entry / packaged.MANIFEST).read_text())["layout"]
+    assert layout["buckets"] == [[1, K, False]] and layout["rows"] == list(ROWS)
+    assert {drafter.bucket(1, rows)[1] for rows in (PROMPT, *range(1, K + 2))} == {8, K, K + 1}
+    compiled = Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=K, cached_rounds=False)
     assert decode(compiled) == drafts
     assert compiled.packaged_buckets == ()
     for theirs, ours in zip(compiled.cache.depths, drafter.cache.depths, strict=True):
@@ -124,7 +131,7 @@ def test_a_second_process_reuses_the_entry_with_no_compile_and_no_compiler_or_tr
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["heavy"] == []  # no Dynamo, no Inductor: nothing was compiled, and no transformers either
-    assert found["buckets"] == [[list(KEY)], [list(KEY)]]
+    assert found["buckets"] == [[list(key) for key in SERVED]] * 2
     assert found["cached"] == found["loaded"] == drafts[:8]
     assert (entry / packaged.MANIFEST).stat().st_mtime_ns == manifest  # read, not rebuilt
     assert [p.name for p in rounds_dir.iterdir() if not p.name.startswith(".")] == [entry.name]
@@ -140,18 +147,19 @@ def _edit(entry: Path, edit) -> None:
 def test_an_entry_recorded_for_anything_else_is_refused_naming_it(built, tmp_path, field):
     drafter, _, entry = built
     copy = shutil.copytree(entry, tmp_path / entry.name)
-    assert round_cache.refusal(drafter, KEY, copy) is None
+    assert round_cache.refusal(drafter, ENTRY, copy) is None
 
     def edit(manifest):
         manifest["built_for"][field] = "something else"
 
     _edit(copy, edit)
-    assert field in round_cache.refusal(drafter, KEY, copy)
+    assert field in round_cache.refusal(drafter, ENTRY, copy)
 
 
 DAMAGES = {
     "torch": lambda entry: _edit(entry, lambda m: m["built_for"].update(torch="0.0")),
     "layout": lambda entry: _edit(entry, lambda m: m["layout"].update(max_length=MAX_LENGTH + 1)),
+    "rows": lambda entry: _edit(entry, lambda m: m["layout"].update(rows=[K, 128])),
     "threads": lambda entry: _edit(entry, lambda m: m.update(threads=m["threads"] + 1)),
     "step file": lambda entry: next(entry.glob("*.pt2")).write_bytes(b"not a package"),
     "manifest": lambda entry: (entry / packaged.MANIFEST).write_text("{"),
@@ -165,8 +173,8 @@ def test_a_refused_or_damaged_entry_is_removed_and_rebuilt(model, built, tmp_pat
     DAMAGES[damage](shutil.copytree(entry, tmp_path / entry.name))
     builds = []
 
-    def rebuild(drafter, directory, buckets):  # the build, without its two AOTInductor compiles
-        builds.append([b.key for b in buckets])
+    def rebuild(drafter, directory, buckets, rows):  # the build, without its two AOTInductor compiles
+        builds.append(([b.key for b in buckets], rows))
         return shutil.copytree(entry, directory)
 
     monkeypatch.setattr(packaged, "save_rounds", rebuild)
@@ -174,11 +182,11 @@ def test_a_refused_or_damaged_entry_is_removed_and_rebuilt(model, built, tmp_pat
     with caplog.at_level(logging.INFO, logger=round_cache.__name__):
         assert decode(drafter, 8) == drafts[:8]
         decode(cached_drafter(model), 8)  # the rebuilt entry is reused: nothing more is built, nothing logged
-    assert builds == [[KEY]] and drafter.packaged_buckets == (KEY,)
+    assert builds == [([(1, K, False)], ROWS)] and drafter.packaged_buckets == SERVED  # once, for every width
     started, ended = caplog.records  # the build is logged when it starts and, with its seconds, when it ends
-    assert f"packaging the K = {K} round of bucket {KEY}" in started.getMessage()
-    assert ended.build_s >= 0 and f"packaged the round of bucket {KEY} in" in ended.getMessage()
-    assert round_cache.refusal(drafter, KEY, tmp_path / entry.name) is None  # the new entry in the stale one's place
+    assert f"packaging the K = {K} round of batch bucket 1 (greedy, 3 to 256 rows)" in started.getMessage()
+    assert ended.build_s >= 0 and "packaged the round of batch bucket 1 (greedy) in" in ended.getMessage()
+    assert round_cache.refusal(drafter, ENTRY, tmp_path / entry.name) is None  # the new entry in the stale one's place
     assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # nothing else left behind
 
 
@@ -186,7 +194,7 @@ def test_a_failed_build_warns_and_runs_the_compiled_round(model, built, tmp_path
     _, drafts, _ = built
     monkeypatch.setenv(round_cache.ENV_VAR, str(tmp_path))
 
-    def broken(drafter, directory, buckets):
+    def broken(drafter, directory, buckets, rows):
         raise OSError("no space left on device")
 
     monkeypatch.setattr(packaged, "save_rounds", broken)

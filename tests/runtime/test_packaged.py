@@ -245,7 +245,7 @@ def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(com
     with pytest.raises(PackageError, match="already exists"):
         compiled[1].save_compiled(packages[1])
 
-    def fail(step, inputs, state, path, options):
+    def fail(step, inputs, state, path, options, dynamic_shapes):
         path.write_bytes(b"half a package")
         raise RuntimeError("compiler crashed")
 
