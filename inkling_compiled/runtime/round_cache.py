@@ -117,7 +117,7 @@ def cached_rounds(drafter, shape) -> dict:
             if directory.exists():
                 _remove(directory)
             try:
-                _build(drafter, key, directory)
+                _build(drafter, shape, directory)
             except packaged.PackageError:
                 if not directory.exists():
                     raise
@@ -132,15 +132,13 @@ def cached_rounds(drafter, shape) -> dict:
         return {}
 
 
-def _build(drafter, key: tuple[int, bool], directory: Path) -> None:
-    from .drafter import _BucketBuffers  # the example inputs: the bucket at K rows (entry_layout)
-
-    batch, sampled = key
-    rows = rows_range(drafter)
+def _build(drafter, shape, directory: Path) -> None:
+    batch, sampled, rows = shape.batch, shape.sampled, rows_range(drafter)
     _log.info("packaging the K = %d round of batch bucket %d (%s, %d to %d rows) into %s (once per machine)",
               drafter.num_speculative_tokens, batch, "sampled" if sampled else "greedy", *rows, directory)
     start = time.perf_counter()
-    packaged.save_rounds(drafter, directory, [_BucketBuffers(drafter, batch, rows[0], sampled)], rows=rows)
+    example = type(shape)(drafter, batch, rows[0], sampled)  # the bucket's buffers at K rows (entry_layout)
+    packaged.save_rounds(drafter, directory, [example], rows=rows)
     seconds = time.perf_counter() - start
     _log.info("packaged the round of batch bucket %d (%s) in %.1f s", batch, "sampled" if sampled else "greedy",
               seconds, extra={"build_s": seconds, "directory": str(directory)})
