@@ -168,10 +168,11 @@ def hf_pooled(rounds: list[list[int]], depths: int) -> dict:
             "acceptance_per_position": [sum(r[1] > j for r in drafting) / n for j in range(depths)]}
 
 
-def interleaved(methods: dict, inputs: list[tuple], tag: str) -> dict[str, dict]:
+def interleaved(methods: dict, inputs: list[tuple], tag: str, warmed=lambda: None) -> dict[str, dict]:
     """Each method's seconds over ``inputs`` (argument tuples) and its outputs in order, after an untimed warm-up
     over every input (``warmup_s``: the first; last method first: a K > 1 round packaged on first use leaves the
-    compiled drafters warmed before it to compile again); the methods take turns input by input, order rotating."""
+    compiled drafters warmed before it to compile again; ``warmed()`` runs after it); the methods take turns input by
+    input, order rotating."""
     figures = {name: {"seconds": 0.0, "outputs": []} for name in methods}
     names = list(methods)
     with torch.no_grad():
@@ -182,6 +183,7 @@ def interleaved(methods: dict, inputs: list[tuple], tag: str) -> dict[str, dict]
             figures[name]["warmup_s"] = time.perf_counter() - start
             for args in inputs[1:]:  # so that no bucket is first met (compiled, or its round packaged) while timed
                 fn(*args)
+        warmed()
         progress(f"{tag}: timing {len(inputs)} inputs x {len(methods)} methods, interleaved")
         for i, args in enumerate(inputs):
             for name in names[i % len(names):] + names[:i % len(names)]:
@@ -353,7 +355,7 @@ def _batched(target, drafters: dict, ours, alone, prompts, cfg: E2EConfig, batch
         records = {k: defaultdict(list) for k in drafters}
         methods = {"target": alone, **{f"{mode}_k{k}": ours(d, mode == "lockstep", records[k] if mode == "per_row"
                                                             else None) for k, d in drafters.items() for mode in MODES}}
-        figures = interleaved(methods, groups, f"e2e batch {batch}")
+        figures = interleaved(methods, groups, f"e2e batch {batch}", lambda r=records: [x.clear() for x in r.values()])
         found["target"][str(batch)] = tokens / figures["target"]["seconds"]
         reference = [out for out, _ in figures["target"]["outputs"]]
         for k in drafters:
@@ -401,8 +403,8 @@ def measure(ctx: Context) -> E2E:
                     hf_mtp=s.runs("peer"), eager=s.runs("e2e_eager"), target_loop=s.runs("target_loop"),
                     round_seconds=s.k_seconds if sweep else 0.0, threads=s.threads,
                     cold_compile=sweep and s.runs("kcompile"), batches=(4, 8) if batched else ())
-    # every K in the batches too (the K sweep's batch-4 figures); a K > 1 packages each bucket's round on a machine's
-    # first --full run (minutes each), later runs load them
+    # every K in the batches too (the K sweep's batch-4 figures); a K > 1 packages its round per batch bucket on a
+    # machine's first --full run (a minute or two each), later runs load them
     return run_e2e(target.checkpoint, cfg, prompts=target.prompts, target_label=target.label,
                    distill_metrics=target.metrics)
 

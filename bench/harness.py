@@ -39,6 +39,7 @@ class OneTimeBuilds(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
         self.seconds: dict[str, float] = {}
+        self.user_cache: Path | None = None
 
     def add(self, kind: str, seconds: float) -> None:
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
@@ -52,9 +53,13 @@ class OneTimeBuilds(logging.Handler):
             self.add(kind, time.perf_counter() - start)
 
     def emit(self, record: logging.LogRecord) -> None:
-        progress(record.getMessage())
-        if hasattr(record, "build_s") and record.directory.startswith(str(self.user_cache)):
-            self.add("packaged K-depth rounds", record.build_s)  # not a section's own build into an empty dir
+        try:
+            progress(record.getMessage())
+            if hasattr(record, "build_s") and self.user_cache and Path(record.directory).is_relative_to(
+                    self.user_cache):  # not a section's own build into an empty directory
+                self.add("packaged K-depth rounds", record.build_s)
+        except Exception:  # noqa: BLE001 - logging's contract: a handler never raises into the code that logs
+            self.handleError(record)
 
     @contextlib.contextmanager
     def recording(self):

@@ -23,8 +23,8 @@ def pytest_configure(config):
     A test that needs more threads would set them itself; none does.
 
     K > 1 CPU drafters compile their rounds here instead of packaging them into the disk cache (seconds instead of
-    a minute per bucket, and nothing written outside the test's directories); tests/runtime/test_cached_round.py
-    turns the cache on for itself."""
+    a minute or two per batch bucket, and nothing written outside the test's directories);
+    tests/runtime/test_cached_round.py turns the cache on for itself."""
     torch.set_num_threads(1)
     os.environ[round_cache.ENV_VAR] = "off"
 

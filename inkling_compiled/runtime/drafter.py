@@ -281,6 +281,7 @@ class Drafter:
         self._inductor_options = options.get("options", {})
         self._shapes: dict[tuple[int, int, bool], _BucketBuffers] = {}
         self._packaged: dict[tuple[int, int, bool], functools.partial] = {}  # bucket key -> its packaged round
+        self._unpackaged: set[tuple[int, bool]] = set()  # (batch bucket, sampled) whose cached round failed
         self._pool = None
         scheme = model.quantization.scheme if model.quantization is not None else ""
         packable = compile and not on_cuda and not self._freezing and not scheme.startswith("torchao:")
@@ -560,7 +561,8 @@ class Drafter:
             return shape.outputs
         if not shape.compiled and self.cached_rounds and shape.key not in self._packaged:
             # every width of the bucket's entry at once; {}: the cache is off, or the build failed (warned)
-            self._packaged.update(round_cache.cached_rounds(self, shape))
+            for key, found in round_cache.cached_rounds(self, shape).items():
+                self._packaged.setdefault(key, found)  # a round load_compiled gave stays
         step = self._round_of(shape)
         if shape.compiled or shape.key in self._packaged:  # the hot path: no config patching, which costs more than
             with torch.no_grad():                           # a tiny step (and a packaged round never needs it)

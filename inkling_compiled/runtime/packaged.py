@@ -246,6 +246,7 @@ def _package(step: Callable, inputs: Sequence[torch.Tensor], state: nn.Module, p
     """One step exported and compiled into ``path``; its manifest record."""
     from torch._functorch import config as functorch_config
     from torch._inductor import aoti_compile_and_package
+    from torch._inductor import config as inductor_config
 
     from ..passes import pass_manager
 
@@ -260,7 +261,11 @@ def _package(step: Callable, inputs: Sequence[torch.Tensor], state: nn.Module, p
         if baked:  # a tensor the step reads that is not in the state would be frozen into the package
             raise PackageError(f"the step reads tensors outside its state (the model's, its cache's): {baked}")
         before = pass_manager().match_counts()
-        with functorch_config.patch(enable_autograd_cache=False):
+        # AOTInductor writes its platform keys into the global aot_inductor.metadata dict: patched with a copy, so
+        # Inductor's config is left as it was, else every later compile of the process would miss the FX graph cache
+        metadata = dict(inductor_config.aot_inductor.metadata)
+        with functorch_config.patch(enable_autograd_cache=False), \
+                inductor_config.patch({"aot_inductor.metadata": metadata}):
             aoti_compile_and_package(program, package_path=str(path),
                                      inductor_configs={**inductor_options, **AOTI_OPTIONS})
     after = pass_manager().match_counts()
@@ -380,11 +385,9 @@ def _depth_state(drafter, k: int) -> nn.Module:
 
 
 def widths(drafter, rows: Sequence[int]) -> list[int]:
-    """The window widths in ``rows`` (lowest, highest) that the drafter's calls run as (``Drafter.bucket``: its graph
-    rows and the powers of two)."""
+    """The window widths in ``rows`` (lowest, highest) that the drafter's calls run as (``Drafter.bucket``)."""
     low, high = rows
-    powers = (1 << i for i in range(high.bit_length()))
-    return sorted({w for w in (*drafter.graph_rows, *powers) if low <= w <= high})
+    return sorted({w for r in range(low, high + 1) if low <= (w := drafter.bucket(1, r)[1]) <= high})
 
 
 def save_rounds(drafter, directory, buckets: Sequence, rows: tuple[int, int] | None = None) -> Path:
@@ -412,7 +415,7 @@ def save_rounds(drafter, directory, buckets: Sequence, rows: tuple[int, int] | N
             step = functools.partial(drafter._depth, model.layers[k], drafter.cache.depths[k])
             steps[_step_name(buffers.key, f"depth{k}")] = (step, inputs + sampling, _depth_state(drafter, k))
     dynamic = None
-    if rows is not None:  # every step's ids, positions and hidden are [batch, rows, ...]; its sampling inputs are not
+    if rows is not None and rows[1] > rows[0]:  # ids, positions, hidden: [batch, rows, ...]; the sampling inputs not
         dim = torch.export.Dim("rows", min=rows[0], max=rows[1])
         dynamic = {name: ({1: dim},) * 3 + (None,) * (len(given) - 3) for name, (_, given, _) in steps.items()}
     layout = {"max_batch_size": drafter.max_batch_size, "max_length": drafter.max_length,

@@ -53,19 +53,19 @@ def cache_root() -> Path | None:
 
 
 def rows_range(drafter) -> tuple[int, int]:
-    """The window widths an entry serves: K (the narrowest window) to the widest a call of ``max_length`` rows runs
-    as."""
-    k = drafter.num_speculative_tokens
-    return k, 1 << (max(drafter.max_length, k) - 1).bit_length()
+    """The window widths an entry serves: K (the narrowest window; 2 for K = 1, as export specializes a dim of one)
+    to the widest a call of ``max_length`` rows runs as."""
+    low = max(drafter.num_speculative_tokens, 2)
+    return low, max(1 << (max(drafter.max_length, low) - 1).bit_length(), low)
 
 
 def entry_layout(drafter, key: tuple[int, bool]) -> dict:
     """The layout a drafter's entry for ``key`` (batch bucket, sampled) records (and an entry must have to serve it):
-    its one bucket is exported at K rows, whatever width first needed it, so that an entry's code does not depend on
-    which came first."""
+    its one bucket is exported at the narrowest width of :func:`rows_range`, whatever width first needed it, so that
+    an entry's code does not depend on which came first."""
     batch, sampled = key
     return {"max_batch_size": drafter.max_batch_size, "max_length": drafter.max_length,
-            "buckets": [[batch, drafter.num_speculative_tokens, sampled]], "rows": list(rows_range(drafter)),
+            "buckets": [[batch, rows_range(drafter)[0], sampled]], "rows": list(rows_range(drafter)),
             "depth_steps": packaged.geometry_depths(drafter)}
 
 
@@ -107,9 +107,9 @@ def cached_rounds(drafter, shape) -> dict:
     is outside :func:`rows_range` or the build failed (warned), and the bucket runs the compiled round."""
     root = cache_root()
     low, high = rows_range(drafter)
-    if root is None or not low <= shape.rows <= high:
-        return {}
     key = (shape.batch, shape.sampled)
+    if root is None or not low <= shape.rows <= high or key in drafter._unpackaged:
+        return {}
     directory = root / entry_name(drafter, key)
     try:
         found = _usable(drafter, key, directory) if directory.exists() else None
@@ -127,6 +127,7 @@ def cached_rounds(drafter, shape) -> dict:
                 raise packaged.PackageError(refusal(drafter, key, directory) or f"{directory} cannot be loaded")
         return found
     except (OSError, RuntimeError, ValueError) as e:  # PackageError is a ValueError
+        drafter._unpackaged.add(key)  # not tried again by this drafter at its other widths
         warnings.warn(f"could not build or load the packaged round of bucket {shape.key} in {directory} "
                       f"({type(e).__name__}: {e}); running the compiled round instead", RuntimeWarning, stacklevel=4)
         return {}

@@ -83,10 +83,15 @@ def model():
 @pytest.fixture(scope="module")
 def built(model, rounds_dir):
     """(the drafter that built the entry, its drafts, the entry's directory)."""
+    from torch._inductor import config as inductor_config  # here: the second process imports this module
+
+    config = inductor_config.get_config_copy()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(round_cache.ENV_VAR, str(rounds_dir))
         drafter = cached_drafter(model)
         drafts = decode(drafter)
+    # left as it was found: a changed Inductor config makes every later compile of the process miss the FX graph cache
+    assert {k: v for k, v in inductor_config.get_config_copy().items() if v != config[k]} == {}
     entries = [p for p in rounds_dir.iterdir() if not p.name.startswith(".")]
     assert len(entries) == 1 and drafter.packaged_buckets == SERVED  # one entry for the three widths met, and more
     return drafter, drafts, entries[0]
@@ -194,7 +199,10 @@ def test_a_failed_build_warns_and_runs_the_compiled_round(model, built, tmp_path
     _, drafts, _ = built
     monkeypatch.setenv(round_cache.ENV_VAR, str(tmp_path))
 
+    tried = []
+
     def broken(drafter, directory, buckets, rows):
+        tried.append(rows)
         raise OSError("no space left on device")
 
     monkeypatch.setattr(packaged, "save_rounds", broken)
@@ -202,6 +210,18 @@ def test_a_failed_build_warns_and_runs_the_compiled_round(model, built, tmp_path
     with pytest.warns(RuntimeWarning, match=r"no space left on device.*running the compiled round instead"):
         assert decode(drafter, 8) == drafts[:8]
     assert drafter.packaged_buckets == ()
+    assert len(tried) == 1  # the prompt's width failed: the decode widths of that batch bucket do not try again
+
+
+@pytest.mark.parametrize("k, max_length, expected", [(3, 160, (3, 256)), (3, 512, (3, 512)), (1, 64, (2, 64)),
+                                                     (3, 3, (3, 4)), (2, 2, (2, 2))])
+def test_an_entry_serves_k_rows_up_to_the_widest_call_and_only_widths_a_call_runs_as(model, k, max_length,
+                                                                                    expected):
+    drafter = Drafter(model, 1, max_length, num_speculative_tokens=k, compile=False)
+    assert round_cache.rows_range(drafter) == expected  # from 2 at K = 1: export specializes a dim of one
+    low, high = expected
+    assert packaged.widths(drafter, expected) == sorted({drafter.bucket(1, r)[1] for r in range(1, high + 1)}
+                                                        - set(range(low)))
 
 
 def test_the_cache_is_off_by_default_for_k_1_and_by_the_switch(model, monkeypatch):
@@ -212,4 +232,3 @@ def test_the_cache_is_off_by_default_for_k_1_and_by_the_switch(model, monkeypatc
     assert round_cache.cache_root() is None
     with pytest.raises(ValueError, match=r"cached_rounds must be a bool or None, got 'yes'"):
         Drafter(model, 1, MAX_LENGTH, cached_rounds="yes")
-
