@@ -68,9 +68,11 @@ def build_target(s: Settings) -> Target:
         path = s.e2e_checkpoint
     elif s.e2e_target == "text":
         progress("e2e: the text target (trained on stdlib source, MTP self-distilled; built once, then cached)")
-        fresh = not text_target.is_built(text_target.target_dir(text_target.RECIPE))
-        with harness.ONE_TIME.timing("the text target") if fresh else contextlib.nullcontext():
-            path = text_target.build(text_target.RECIPE)
+        corpus, start = text_target.load_corpus(), time.perf_counter()  # the corpus read once, for both calls
+        fresh = not text_target.is_built(text_target.target_dir(text_target.RECIPE, corpus=corpus))
+        path = text_target.build(text_target.RECIPE, corpus=corpus)
+        if fresh:
+            harness.ONE_TIME.add("the text target", time.perf_counter() - start)
     else:
         progress("e2e: tiny8 target checkpoint + self-distilled MTP (cached after the first run)")
         path = distilled("tiny8", s.distill_steps)

@@ -34,7 +34,7 @@ def progress(message: str) -> None:
 class OneTimeBuilds(logging.Handler):
     """The seconds a run spends on what a machine builds once and then caches, by kind, so that the run can report its
     measurement apart: the packaged K-depth rounds built into the user's round cache (from ``round_cache``'s log
-    records, each also shown as a progress line) and what sections time with :meth:`timing`."""
+    records, each also shown as a progress line) and what sections :meth:`add` (the text target, the K = 1 package)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -43,14 +43,6 @@ class OneTimeBuilds(logging.Handler):
 
     def add(self, kind: str, seconds: float) -> None:
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
-
-    @contextlib.contextmanager
-    def timing(self, kind: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(kind, time.perf_counter() - start)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

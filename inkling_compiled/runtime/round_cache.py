@@ -56,7 +56,7 @@ def rows_range(drafter) -> tuple[int, int]:
     """The window widths an entry serves: K (the narrowest window; 2 for K = 1, as export specializes a dim of one)
     to the widest a call of ``max_length`` rows runs as."""
     low = max(drafter.num_speculative_tokens, 2)
-    return low, max(1 << (max(drafter.max_length, low) - 1).bit_length(), low)
+    return low, 1 << (max(drafter.max_length, low) - 1).bit_length()
 
 
 def entry_layout(drafter, key: tuple[int, bool]) -> dict:
@@ -138,7 +138,7 @@ def _build(drafter, shape, directory: Path) -> None:
     _log.info("packaging the K = %d round of batch bucket %d (%s, %d to %d rows) into %s (once per machine)",
               drafter.num_speculative_tokens, batch, "sampled" if sampled else "greedy", *rows, directory)
     start = time.perf_counter()
-    example = type(shape)(drafter, batch, rows[0], sampled)  # the bucket's buffers at K rows (entry_layout)
+    example = type(shape)(drafter, batch, rows[0], sampled)  # at the narrowest width (entry_layout)
     packaged.save_rounds(drafter, directory, [example], rows=rows)
     seconds = time.perf_counter() - start
     _log.info("packaged the round of batch bucket %d (%s) in %.1f s", batch, "sampled" if sampled else "greedy",
