@@ -9,7 +9,7 @@ if sys.argv[1:2] == ["probe"]:
     from . import probe_main
 
     sys.exit(probe_main(*sys.argv[2:4]))
-if not {"-h", "--help"} & set(sys.argv[1:]):
+if not {"-h", "--help"} & set(sys.argv[1:]) and sys.argv[1:2] != ["prebuild"]:  # a run's second process: quiet
     print("[bench] starting: importing torch and transformers", file=sys.stderr, flush=True)
 for category in (DeprecationWarning, FutureWarning):  # our code issues none: they are the dependencies' notes
     warnings.filterwarnings("ignore", category=category)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 
-from .harness import Context, error_text, fmt, progress, run_probe, table
+from .harness import Context, error_text, fmt, keep_compiles, progress, run_probe, table
 
 
 @dataclass
@@ -32,6 +32,7 @@ def measure(ctx: Context) -> Compile:
                 progress(f"{ctx.preset}: {phase} first call {found['first_call_s']:.1f} s "
                          f"(FX graph cache hit {found['fxgraph_cache_hit']})")
             record.warm_cache_hit = record.warm["fxgraph_cache_hit"] >= 1
+            keep_compiles(cache_dir)  # the latency section's compiled step is the same graph
         except Exception as e:  # noqa: BLE001 - recorded; the other sections go on
             progress(f"{ctx.preset}: compile FAILED: {e}")
             record.error = error_text(e)

@@ -5,6 +5,7 @@ batches per row vs lockstep with the rollback's cost. Methods take turns input b
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import statistics
 import tempfile
@@ -21,7 +22,7 @@ from transformers.generation.candidate_generator import MTPCandidateGenerator
 from inkling_compiled import InklingMTP
 from inkling_compiled.config import logits_vocab_size
 from inkling_compiled.hf_compat import cache_argument
-from inkling_compiled.runtime import Drafter, speculative
+from inkling_compiled.runtime import Drafter, round_cache, speculative
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 from inkling_compiled.training import distill, text_target
 
@@ -264,24 +265,57 @@ class E2E:
     distill: dict | None = None
 
 
-def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, target_label: str = "",
-            distill_metrics: dict | None = None) -> E2E:
-    """Every figure of the section on ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
+@dataclass
+class Setup:
+    """The target, our drafter per K and the prompts a run of the section (or its prebuild) works on."""
+
+    target: object
+    mtp: InklingMTP
+    prompts: torch.Tensor
+    drafters: dict[int, Drafter]  # K -> compiled (cfg.compiled) drafter, every batch bucket of cfg.batches
+    max_length: int
+
+    def ours(self, d: Drafter, lockstep=False, records=None, *, new_tokens: int):
+        def run(ids, mask=None):
+            with timed_rollback(records) if records is not None else contextlib.nullcontext():
+                out = speculative.speculative_generate(self.target, d, ids, mask, max_new_tokens=new_tokens,
+                                                       lockstep=lockstep)
+            return out.sequences, out
+        return run
+
+
+def setup(checkpoint, cfg: E2EConfig, prompts: torch.Tensor | None) -> Setup:
     torch.set_num_threads(cfg.threads)
     target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
     mtp = InklingMTP.from_pretrained(checkpoint, target=target)
-    text, ks = target.config.get_text_config(), tuple(k for k in cfg.ks if k <= mtp.config.num_depths)
+    ks = tuple(k for k in cfg.ks if k <= mtp.config.num_depths)
     if not ks:
         raise ValueError(f"none of K = {cfg.ks} fits the checkpoint's {mtp.config.num_depths} MTP depth(s)")
-    vocab, new = logits_vocab_size(text), cfg.new_tokens
     count = max(cfg.prompts, PADDED_PROMPTS if cfg.batches else 0)
-    prompts = torch.randint(3, vocab, (count, 8), generator=torch.Generator().manual_seed(1000)) if prompts is None \
-        else prompts[:count]
+    prompts = torch.randint(3, mtp.config.logits_vocab_size, (count, 8),
+                            generator=torch.Generator().manual_seed(1000)) if prompts is None else prompts[:count]
     if len(prompts) < count:
         raise ValueError(f"{count} prompts needed, {len(prompts)} given")
+    max_length = prompts.shape[1] + cfg.new_tokens + 8
+    drafters = {k: drafter(mtp, cfg, k, max_length, cfg.compiled) for k in ks}
+    return Setup(target, mtp, prompts, drafters, max_length)
+
+
+def drafter(mtp: InklingMTP, cfg: E2EConfig, k: int, max_length: int, compile: bool) -> Drafter:
+    return Drafter(mtp, max((1, *cfg.batches)), max_length, num_speculative_tokens=k, compile=compile,
+                   batch_buckets=(1, *cfg.batches),
+                   compile_options=compile_options(passes=True, fresh=False) if compile else None)
+
+
+def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, target_label: str = "",
+            distill_metrics: dict | None = None) -> E2E:
+    """Every figure of the section on ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
+    up = setup(checkpoint, cfg, prompts)
+    target, mtp, prompts, by_k, max_length = up.target, up.mtp, up.prompts, up.drafters, up.max_length
+    text, new = target.config.get_text_config(), cfg.new_tokens
+    vocab = logits_vocab_size(text)
     gconfig, gconfig_mtp = (greedy_generation_config(target, new) for _ in range(2))
     gconfig_mtp.use_mtp = True
-    max_length = prompts.shape[1] + new + 8
 
     def generate(config, counter=contextlib.nullcontext):
         """target.generate's sequences and the rounds ``counter`` counted (None: not counted)."""
@@ -302,22 +336,11 @@ def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, 
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         return torch.cat(out, dim=1), None
 
-    def drafter(k, compile):
-        return Drafter(mtp, max((1, *cfg.batches)), max_length, num_speculative_tokens=k, compile=compile,
-                       batch_buckets=(1, *cfg.batches),
-                       compile_options=compile_options(passes=True, fresh=False) if compile else None)
-
-    def ours(d, lockstep=False, records=None):
-        def run(ids, mask=None):
-            with timed_rollback(records) if records is not None else contextlib.nullcontext():
-                out = speculative.speculative_generate(target, d, ids, mask, max_new_tokens=new, lockstep=lockstep)
-            return out.sequences, out
-        return run
-
-    kind, by_k = "compiled" if cfg.compiled else "eager", {k: drafter(k, cfg.compiled) for k in ks}
+    ours = functools.partial(up.ours, new_tokens=new)
+    kind = "compiled" if cfg.compiled else "eager"
     drafters = {f"ours_{kind}_k{k}": d for k, d in by_k.items()}
     if cfg.eager:
-        drafters.setdefault("ours_eager_k1", drafter(1, False))
+        drafters.setdefault("ours_eager_k1", drafter(mtp, cfg, 1, max_length, False))
     methods = {"target": generate(gconfig), **({"target_loop": loop} if cfg.target_loop else {}),
                **({"hf_mtp": generate(gconfig_mtp, count_hf_matches)} if cfg.hf_mtp else {}),
                **{n: ours(d) for n, d in drafters.items()}}
@@ -343,7 +366,7 @@ def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, 
             record.rounds[str(k)] = {**round_latency(d, 1, cfg.round_seconds, "one_row"),
                                      **round_latency(d, k + 1, cfg.round_seconds, "all_rows"), "cold_compile": None}
     if cfg.cold_compile and record.rounds:
-        _cold_compiles(record, checkpoint, sorted({min(ks), max(ks)}), cfg.threads)
+        _cold_compiles(record, checkpoint, sorted({min(by_k), max(by_k)}), cfg.threads)
     if cfg.batches:
         record.batched = _batched(target, by_k, ours, generate(gconfig), prompts[:PADDED_PROMPTS], cfg, record.methods)
     return record
@@ -397,18 +420,33 @@ def _cold_compiles(record: E2E, checkpoint, ks: list[int], threads: int) -> None
         record.rounds[str(k)]["cold_compile"] = {**found, "ratio_to_first": found["cpu_s"] / first}
 
 
-def measure(ctx: Context) -> E2E:
-    s, target = ctx.settings, ctx.e2e_target()
+def config(s: Settings) -> E2EConfig:
     sweep, batched = (s.runs(part) and s.device == "cpu" for part in ("ksweep", "perrow"))
     ks = tuple(sorted({*s.e2e_ks, *s.ks})) if sweep else s.e2e_ks
-    cfg = E2EConfig(ks=ks, prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, compiled=s.runs("compiled"),
-                    hf_mtp=s.runs("peer"), eager=s.runs("e2e_eager"), target_loop=s.runs("target_loop"),
-                    round_seconds=s.k_seconds if sweep else 0.0, threads=s.threads,
-                    cold_compile=sweep and s.runs("kcompile"), batches=(4, 8) if batched else ())
+    return E2EConfig(ks=ks, prompts=s.e2e_prompts, new_tokens=s.e2e_tokens, compiled=s.runs("compiled"),
+                     hf_mtp=s.runs("peer"), eager=s.runs("e2e_eager"), target_loop=s.runs("target_loop"),
+                     round_seconds=s.k_seconds if sweep else 0.0, threads=s.threads,
+                     cold_compile=sweep and s.runs("kcompile"), batches=(4, 8) if batched else ())
+
+
+def measure(ctx: Context) -> E2E:
     # every K in the batches too (the K sweep's batch-4 figures); a K > 1 packages its round per batch bucket on a
-    # machine's first --full run (a minute or two each), later runs load them
-    return run_e2e(target.checkpoint, cfg, prompts=target.prompts, target_label=target.label,
+    # machine's first run (a minute or two each; bench.harness.Prebuild does it ahead), later runs load them
+    ctx.prebuilt()  # the text target and the K > 1 drafters' packaged rounds
+    target = ctx.e2e_target()
+    return run_e2e(target.checkpoint, config(ctx.settings), prompts=target.prompts, target_label=target.label,
                    distill_metrics=target.metrics)
+
+
+def prebuild(s: Settings) -> None:
+    """The section's one-time builds, for :class:`bench.harness.Prebuild`: the text target, then the packaged round
+    of each K > 1 drafter's batch bucket the round cache lacks (a first generation at that batch builds it)."""
+    target, cfg = build_target(s), config(s)
+    up = setup(target.checkpoint, cfg, target.prompts)
+    with torch.no_grad():
+        for k, d in reversed(up.drafters.items()):  # the largest K first: its package is the longest build
+            for batch in round_cache.missing(d):
+                up.ours(d, new_tokens=k + 1)(*padded_groups(up.prompts, batch)[0])  # one draft round at least
 
 
 def _per_position(m: dict) -> str:

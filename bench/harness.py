@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,11 +25,11 @@ from torch.utils import benchmark
 from . import PROBE_PREFIX
 
 REPO_DIR = Path(__file__).resolve().parent.parent
-_T0 = time.perf_counter()
+_T0, _WHO = time.perf_counter(), ""
 
 
 def progress(message: str) -> None:
-    print(f"[bench {time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+    print(f"[bench{_WHO} {time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 class OneTimeBuilds(logging.Handler):
@@ -39,6 +40,7 @@ class OneTimeBuilds(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
         self.seconds: dict[str, float] = {}
+        self.beside = 0.0  # what the second process (Prebuild) built while this one measured
         self.user_cache: Path | None = None
 
     def add(self, kind: str, seconds: float) -> None:
@@ -58,7 +60,7 @@ class OneTimeBuilds(logging.Handler):
         """Counting, from zero, while the block runs."""
         from inkling_compiled.runtime import round_cache
 
-        self.seconds, self.user_cache = {}, round_cache.cache_root()
+        self.seconds, self.beside, self.user_cache = {}, 0.0, round_cache.cache_root()
         logger = logging.getLogger(round_cache.__name__)
         level, logger.level = logger.level, logging.INFO
         logger.addHandler(self)
@@ -140,22 +142,96 @@ def random_rows(mtp, batch: int, start: int, rows: int, gen: torch.Generator):
 
 # ------------------------------------------------------------------------------------------------ probes
 
-def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: float) -> dict:
-    """``bench.<function>(args)`` in a fresh interpreter (its own Inductor / Triton cache dir when given) and the
-    dict it returns, with ``process_s`` (spawn to exit); ``args["spawned_at"]`` is the spawn's wall clock."""
+def _bench(*args: str, cache_dir: str | None = None) -> dict:
+    """subprocess's arguments for ``python -m bench ARGS`` (its own Inductor / Triton cache dir when given)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_DIR), os.environ.get("PYTHONPATH")]))}
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     if cache_dir is not None:
         env.update(TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+    return {"args": [sys.executable, "-m", "bench", *args], "cwd": REPO_DIR, "env": env, "text": True}
+
+
+def run_probe(function: str, args: dict, *, cache_dir: str | None, timeout: float) -> dict:
+    """``bench.<function>(args)`` in a fresh interpreter (``args["spawned_at"]``: the spawn's wall clock) and the
+    dict it returns, with ``process_s`` (spawn to exit)."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "bench", "probe", function,
-                           json.dumps({**args, "spawned_at": time.time()})],
-                          cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(**_bench("probe", function, json.dumps({**args, "spawned_at": time.time()}),
+                                   cache_dir=cache_dir), capture_output=True, timeout=timeout)
     found = [line for line in done.stdout.splitlines() if line.startswith(PROBE_PREFIX)]
     if done.returncode != 0 or not found:
         tail = (done.stderr or done.stdout).strip().splitlines()[-8:]
         raise RuntimeError(f"probe {function} failed (exit {done.returncode}): " + " | ".join(tail))
     return {**json.loads(found[-1][len(PROBE_PREFIX):]), "process_s": time.perf_counter() - start}
+
+
+def keep_compiles(cache_dir: str) -> None:
+    """A probe's Inductor cache merged into this process's (each file it lacks, atomically), so that the run's own
+    compiles of the probe's graphs hit the FX graph cache instead of compiling them again."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as own_cache_dir
+
+    source, target = Path(cache_dir), Path(own_cache_dir())
+    for path in source.rglob("*"):
+        copy = target / path.relative_to(source)
+        if path.is_file() and not path.is_symlink() and not copy.exists():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            temporary = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
+            shutil.copy2(path, temporary)
+            os.replace(temporary, copy)
+
+
+class Prebuild:
+    """The one-time builds of later sections (the text target, K-depth round packages, first compiles into the FX
+    graph cache: minutes on a machine's first run, none later) done ahead by a second process on the core the
+    measuring process leaves idle (it times one thread); a section :meth:`wait`s for its builds where it needs them
+    (``Context.prebuilt``)."""
+
+    def __init__(self, sections: list[str], argv: list[str]):
+        self.done: dict[str, float] = {}
+        self.waited: set[str] = set()
+        self.process = subprocess.Popen(**_bench("prebuild", ",".join(sections), str(time.perf_counter() - _T0),
+                                                 *argv), stdout=subprocess.PIPE)
+
+    @staticmethod
+    def serve(sections: list[str], settings: Settings, modules: dict, clock_s: float) -> None:
+        """The second process's side (``python -m bench prebuild``): each section module's ``prebuild(settings)`` in
+        turn, a line to the run as each is done; progress lines on the run's clock (``clock_s``: its seconds now)."""
+        global _T0, _WHO
+        _T0, _WHO = time.perf_counter() - clock_s, " 2nd process"
+        torch.set_num_threads(settings.threads)  # what the entries' code is built for, as in the run
+        with ONE_TIME.recording():  # shows the round builds as progress lines
+            for name in sections:
+                start = time.perf_counter()
+                modules[name].prebuild(settings)
+                print(PROBE_PREFIX + json.dumps({name: time.perf_counter() - start}), flush=True)
+
+    def wait(self, section: str) -> None:
+        """Until the second process has reported ``section`` built (or ended: the section then builds for itself);
+        the seconds waited are one-time builds."""
+        if section in self.waited:
+            return
+        self.waited.add(section)
+        start = time.perf_counter()
+        while section not in self.done and (line := self.process.stdout.readline()):
+            if line.startswith(PROBE_PREFIX):
+                self.done.update(json.loads(line[len(PROBE_PREFIX):]))
+        if section in self.done:
+            waited = time.perf_counter() - start
+            ONE_TIME.add("waiting for the second process", waited)
+            ONE_TIME.beside += max(0.0, self.done[section] - waited)
+            progress(f"{section}: the second process's builds took {self.done[section]:.1f} s; waited {waited:.1f} s")
+        else:
+            progress(f"{section}: the second process ended (exit {self.process.wait()}) before its builds; the "
+                     "section builds what it needs itself")
+
+    def close(self, sections: list[str]) -> None:
+        """Let it finish when every one of ``sections`` was built (it is exiting), else stop it (a build it leaves
+        half done is in a temporary directory: the caches never see it)."""
+        try:
+            self.process.wait(timeout=60 if set(sections) <= set(self.done) else 0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -242,3 +318,4 @@ class Context:
     models: Callable[[], object]
     e2e_target: Callable[[], object]
     publish: Callable[[object], None]
+    prebuilt: Callable[[], None] = lambda: None  # waits for the section's builds in the second process (Prebuild)

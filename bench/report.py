@@ -157,13 +157,14 @@ def headline_lines(result: dict) -> list[str]:
 
 def wall_line(result: dict) -> str:
     """The run's wall time, and apart from it what this machine built once for later runs (they skip it)."""
-    built = result.get("one_time_s") or {}
+    built, beside = result.get("one_time_s") or {}, result.get("one_time_beside_s") or 0.0
     if not built:
         return f"wall time {result['wall_s']:.0f} s"
     total = sum(built.values())
     return (f"wall time {result['wall_s']:.0f} s: measuring {result['wall_s'] - total:.0f} s, one-time builds "
-            f"{total:.0f} s ({', '.join(f'{kind} {s:.0f} s' for kind, s in built.items())}; cached: later runs skip "
-            "them)")
+            f"{total:.0f} s ({', '.join(f'{kind} {s:.0f} s' for kind, s in built.items())}"
+            + (f"; and {beside:.0f} s in a second process beside the measuring" if beside >= 0.5 else "")
+            + "; cached: later runs skip them)")
 
 
 def append_results(path: Path, result: dict, text: str) -> None:

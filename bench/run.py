@@ -22,8 +22,10 @@ from types import ModuleType
 import torch
 import transformers
 
+from inkling_compiled.runtime import round_cache
+
 from . import compile_time, e2e, multimodal, packaged, plots, quant, report, startup, step, tp
-from .harness import ONE_TIME, OPT_IN, Context, Settings, error_text, plain, progress, write_json
+from .harness import ONE_TIME, OPT_IN, Context, Prebuild, Settings, error_text, plain, progress, write_json
 from .models import load_models
 
 SCHEMA_ID = "inkling-bench/4"  # 4: one e2e record (the K sweep and batches in it), startup.first_draft, multimodal
@@ -188,26 +190,31 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
     result = {"schema": SCHEMA_ID, "command": shlex.join(["python", "-m", "bench", "run", *given]),
               "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "wall_s": 0.0, "partial": True,
               "completed": [], "machine": machine_info(s.threads), "settings": s.summary(), "configs": {},
-              "goals": [], "one_time_s": {}}
+              "goals": [], "one_time_s": {}, "one_time_beside_s": 0.0}
 
     def save(done: str | None = None, partial: bool = True) -> None:
         result["completed"] += [done] if done else []
         result.update(wall_s=time.perf_counter() - start, goals=report.evaluate_goals(result), partial=partial,
-                      one_time_s=dict(ONE_TIME.seconds))
+                      one_time_s=dict(ONE_TIME.seconds), one_time_beside_s=ONE_TIME.beside)
         write_json(s.json_path, result)
 
     save()
     progress(f"results go to {s.json_path} (rewritten after every section)")
     target = functools.cache(lambda: e2e.build_target(s))
-    for section in SECTIONS:
-        if s.only and section.name not in s.only | s.with_ or section.name in s.skip:  # --with adds to --only
-            continue
-        if section.cpu_only and s.device != "cpu":
-            progress(f"{section.name}: runs on CPU only; left out on this device")
-            continue
-        for preset in s.configs if section.per_config else (None,):
-            if s.runs(section.name, preset):
-                _section(s, section, preset, result, target, save)
+    selected = [section for section in SECTIONS if _selected(s, section)]
+    ahead = [section.name for section in selected if hasattr(section.module, "prebuild") and s.runs(section.name)]
+    # on CPU only (what it builds is CPU code), with the round cache on (tests turn it off), on more than one core
+    second = Prebuild(ahead, given) if ahead and s.device == "cpu" and round_cache.cache_root() is not None and \
+        os.cpu_count() > 1 else None
+    try:
+        for section in selected:
+            prebuilt = functools.partial(second.wait, section.name) if second and section.name in ahead else None
+            for preset in s.configs if section.per_config else (None,):
+                if s.runs(section.name, preset):
+                    _section(s, section, preset, result, target, save, prebuilt)
+    finally:
+        if second:
+            second.close(ahead)
     save(partial=False)
     text = format_table(result)
     print(text, flush=True)
@@ -219,13 +226,22 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
     return result
 
 
+def _selected(s: Settings, section: Section) -> bool:
+    if s.only and section.name not in s.only | s.with_ or section.name in s.skip:  # --with adds to --only
+        return False
+    if section.cpu_only and s.device != "cpu":
+        progress(f"{section.name}: runs on CPU only; left out on this device")
+        return False
+    return True
+
+
 @functools.cache
 def _models(preset: str, device: str, dtype: str, weights: str | None, peer: bool):
     progress(f"{preset}: loading models ({weights or 'default'} weights, {device}, {dtype})")
     return load_models(preset, device=device, dtype=getattr(torch, dtype), weights=weights, peer=peer)
 
 
-def _section(s: Settings, section: Section, preset: str | None, result: dict, target, save) -> None:
+def _section(s: Settings, section: Section, preset: str | None, result: dict, target, save, prebuilt=None) -> None:
     """One section (for one preset) measured and saved; a failure is recorded and the run goes on."""
     home = result["configs"].setdefault(preset, {}) if preset else result
     models = functools.partial(_models, preset, s.device, s.dtype, s.weights, s.runs("peer"))
@@ -237,7 +253,8 @@ def _section(s: Settings, section: Section, preset: str | None, result: dict, ta
     if preset and "model" not in home:
         home["model"] = models().describe()
     try:
-        home[section.name] = plain(section.module.measure(Context(s, preset, models, target, publish)))
+        home[section.name] = plain(section.module.measure(Context(s, preset, models, target, publish,
+                                                                         prebuilt or (lambda: None))))
     except Exception as e:  # noqa: BLE001 - keep the other sections' figures
         progress(f"{section.name}{' ' + preset if preset else ''}: FAILED: {type(e).__name__}: {e}")
         home[section.name] = {"error": error_text(e)}
@@ -297,6 +314,12 @@ def report_command(a: argparse.Namespace) -> int:
     return 0
 
 
+def prebuild_command(a: argparse.Namespace) -> int:
+    settings = parse_args(a.argv)
+    Prebuild.serve(a.sections.split(","), settings, {section.name: section.module for section in SECTIONS}, a.clock)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
@@ -311,7 +334,13 @@ def main(argv=None) -> int:
     probe = sub.add_parser("probe", help="internal: one measurement in this fresh process")
     probe.add_argument("function")
     probe.add_argument("args_json")
+    second = sub.add_parser("prebuild", help="internal: a run's second process")
+    second.add_argument("sections")
+    second.add_argument("clock", type=float)
+    second.add_argument("argv", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
+    if a.command == "prebuild":
+        return prebuild_command(a)
     if a.command == "probe":
         from . import probe_main  # `python -m bench probe` reaches it before this module (bench/__main__.py)
 

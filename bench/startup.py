@@ -8,6 +8,7 @@ import itertools
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from unittest import mock
 
@@ -18,7 +19,7 @@ from inkling_compiled.runtime import Drafter, round_cache
 from inkling_compiled.testing.synthetic import cached_checkpoint
 
 from .floor import GemmFloor, record_gemms
-from .harness import Context, Stats, fmt, progress, random_rows, ratios, run_probe, table, time_variants
+from .harness import Context, Settings, Stats, fmt, progress, random_rows, ratios, run_probe, table, time_variants
 from .probes import first_draft_text, heavy_text
 
 PRESET, K, CONTEXT, MAX_LENGTH = "tiny8", 8, 64, 512
@@ -67,30 +68,43 @@ def _one_graph_round(drafter: Drafter) -> Drafter:
     return drafter
 
 
-@torch.no_grad()
-def _round_variants(mtp: InklingMTP, choices: bool, budget_s: float) -> tuple[dict, dict, dict]:
-    """Each variant built and its first round run untimed, the drafts compared over 400 rounds, then all timed."""
-    rows = random_rows(mtp, 1, 0, MAX_LENGTH - 1, torch.Generator().manual_seed(0))
+def _drafter(mtp: InklingMTP, rows, k: int, **kwargs) -> Drafter:
+    d = Drafter(mtp, 1, MAX_LENGTH, num_speculative_tokens=k, graph_rows=(k,), **kwargs)
+    mtp(*(t[:, :CONTEXT] for t in rows), cache=d.cache, depth=0)
+    return d
 
-    def drafter(k: int, **kwargs) -> Drafter:
-        d = Drafter(mtp, 1, MAX_LENGTH, num_speculative_tokens=k, graph_rows=(k,), **kwargs)
-        mtp(*(t[:, :CONTEXT] for t in rows), cache=d.cache, depth=0)
-        return d
 
-    builders = {"round_1": lambda: drafter(1), "round_k": lambda: drafter(K),
-                "round_k_steps": lambda: drafter(K, cached_rounds=False)}
+def _built(mtp: InklingMTP, rows, choices: bool, prebuilt: Callable[[], None]) -> dict:
+    """Each variant built and its first round run untimed (round_k's package: after ``prebuilt()``, as a second
+    process may be building it): name -> (its rounds, build seconds)."""
+    builders = {"round_1": lambda: _drafter(mtp, rows, 1),
+                "round_k_steps": lambda: _drafter(mtp, rows, K, cached_rounds=False),
+                "round_k": lambda: prebuilt() or _drafter(mtp, rows, K)}
     if choices:
-        builders["round_k_one_graph"] = lambda: _one_graph_round(drafter(K, cached_rounds=False))
-    variants, build_s = {}, {}
+        builders["round_k_one_graph"] = lambda: _one_graph_round(_drafter(mtp, rows, K, cached_rounds=False))
+    built = {}
     for name, build in builders.items():
         progress(f"startup: {name} (built and first run untimed)")
         start = time.perf_counter()
-        variants[name] = _rounds(build(), rows)
-        variants[name]()
-        build_s[name] = time.perf_counter() - start
+        rounds = _rounds(build(), rows)
+        rounds()
+        built[name] = rounds, time.perf_counter() - start
+    return built
+
+
+def _rows(mtp: InklingMTP):
+    return random_rows(mtp, 1, 0, MAX_LENGTH - 1, torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def _round_variants(mtp: InklingMTP, choices: bool, budget_s: float, prebuilt) -> tuple[dict, dict, dict]:
+    """Each variant built, the drafts compared over 400 rounds, then all timed."""
+    rows = _rows(mtp)
+    built = _built(mtp, rows, choices, prebuilt)
+    variants, build_s = {name: r for name, (r, _) in built.items()}, {name: s for name, (_, s) in built.items()}
     drafts = {name: [variants[name]().drafts.clone() for _ in range(400)] for name in variants if name != "round_1"}
     same = {name: all(map(torch.equal, d, drafts["round_k_steps"])) for name, d in drafts.items()}
-    eager = _rounds(drafter(K, compile=False), rows)
+    eager = _rounds(_drafter(mtp, rows, K, compile=False), rows)
     variants["floor_k"] = GemmFloor(record_gemms(eager, mtp.parameters())[0], mtp.device)
     progress(f"startup: timing {', '.join(variants)}")
     return time_variants(variants, device=mtp.device, budget_s=budget_s), build_s, same
@@ -107,7 +121,7 @@ def measure(ctx: Context) -> Startup:
     with tempfile.TemporaryDirectory(prefix="inkling-bench-rounds-") as cache, \
             mock.patch.dict("os.environ", {round_cache.ENV_VAR: cache} if s.full else {}):
         rounds, build_s, same = _round_variants(InklingMTP.from_pretrained(checkpoint), s.runs("kround_choices"),
-                                                s.time_budget)
+                                                s.time_budget, ctx.prebuilt)
         first = []
         for i in range(processes):
             progress(f"startup: fresh process {i + 1}/{processes} to its first packaged draft")
@@ -117,6 +131,19 @@ def measure(ctx: Context) -> Startup:
              "overhead_per_depth_us": 1e3 * (med["round_k"] - med["floor_k"]) / K}
     return Startup(PRESET, K, s.threads, torch.__version__, processes, fresh, rounds, build_s, same,
                    "an empty directory" if s.full else "the disk cache (a first run builds it)", found)
+
+
+@torch.no_grad()
+def prebuild(s: Settings) -> None:
+    """For :class:`bench.harness.Prebuild`: round_k's packaged round, when the round cache lacks it (--full measures
+    its build into an empty cache instead)."""
+    if s.full:
+        return
+    mtp = InklingMTP.from_pretrained(cached_checkpoint(PRESET))
+    rows = _rows(mtp)
+    drafter = _drafter(mtp, rows, K)
+    if round_cache.missing(drafter):
+        _rounds(drafter, rows)()
 
 
 def lines(out: dict) -> list[str]:

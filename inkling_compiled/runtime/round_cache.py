@@ -101,6 +101,15 @@ def refusal(drafter, key: tuple[int, bool], directory: Path) -> str | None:
     return None
 
 
+def missing(drafter, sampled: bool = False) -> list[int]:
+    """The batch buckets whose entry (greedy, or ``sampled``) the cache lacks for ``drafter``: those its first call
+    at that bucket would build; [] for a drafter that does not use the cache, or when the cache is off."""
+    root = cache_root()
+    if root is None or not drafter.cached_rounds:
+        return []
+    return [b for b in drafter.batch_buckets if not (root / entry_name(drafter, (b, sampled))).is_dir()]
+
+
 def cached_rounds(drafter, shape) -> dict:
     """The packaged round of ``shape``'s (batch bucket, sampled) (``_BucketBuffers``) from the cache, built first if
     it is missing, refused or damaged, under the key of every width it serves; {} when the cache is off, the width

@@ -89,6 +89,10 @@ def test_one_time_builds_are_counted_apart_from_the_measurement(quick, tmp_path,
     assert log.handlers == [] and log.level == logging.NOTSET  # left as it was
     line = report.wall_line({"wall_s": 200.0, "one_time_s": {"packaged K-depth rounds": 90.0, "text target": 30.0}})
     assert line.startswith("wall time 200 s: measuring 80 s, one-time builds 120 s (packaged K-depth rounds 90 s")
+    line = report.wall_line({"wall_s": 200.0, "one_time_s": {"waiting for the second process": 20.0},
+                             "one_time_beside_s": 150.0})
+    assert line == ("wall time 200 s: measuring 180 s, one-time builds 20 s (waiting for the second process 20 s; "
+                    "and 150 s in a second process beside the measuring; cached: later runs skip them)")
 
 
 def test_record_appends_an_entry(quick):
@@ -156,3 +160,29 @@ def test_timing_interleaves_the_variants_and_summarises_block_samples():
     assert harness.Stats.of([3.0, 1.0, 2.0]) == harness.Stats(2.0, 1.0, 3.0, 1.0, 3)
     with pytest.raises(ValueError, match="no samples"):
         harness.Stats.of([])
+
+
+def test_a_probes_compiles_are_kept_for_the_run_and_its_own_files_left_as_they_were(tmp_path, monkeypatch):
+    probe, own = tmp_path / "probe", tmp_path / "own"
+    (probe / "fxgraph" / "ab").mkdir(parents=True)
+    (probe / "fxgraph" / "ab" / "entry").write_text("the probe's")
+    (probe / "kernel.so").write_text("the probe's")
+    own.mkdir()
+    (own / "kernel.so").write_text("the run's")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(own))
+    harness.keep_compiles(str(probe))
+    assert (own / "fxgraph" / "ab" / "entry").read_text() == "the probe's"
+    assert (own / "kernel.so").read_text() == "the run's"
+    assert sorted(p.name for p in own.rglob("*")) == ["ab", "entry", "fxgraph", "kernel.so"]  # no temporary left
+
+
+def test_a_second_process_reports_each_section_built_and_the_run_goes_past_one_that_ended():
+    # with --full the startup section builds nothing ahead (it times its build into an empty cache); "bogus" is no
+    # section, so the second process fails there: the run then goes on and the section builds for itself
+    second = harness.Prebuild(["startup", "bogus"], ["--full"])
+    with harness.ONE_TIME.recording() as built:
+        second.wait("startup")
+        second.wait("bogus")
+    second.close(["startup", "bogus"])
+    assert set(second.done) == {"startup"} and second.process.returncode not in (0, None)
+    assert set(built.seconds) == {"waiting for the second process"} and built.beside >= 0.0

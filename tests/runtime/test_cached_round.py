@@ -232,3 +232,14 @@ def test_the_cache_is_off_by_default_for_k_1_and_by_the_switch(model, monkeypatc
     assert round_cache.cache_root() is None
     with pytest.raises(ValueError, match=r"cached_rounds must be a bool or None, got 'yes'"):
         Drafter(model, 1, MAX_LENGTH, cached_rounds="yes")
+
+
+def test_missing_names_the_batch_buckets_a_first_call_would_build(model, built, tmp_path, monkeypatch):
+    assert round_cache.missing(cached_drafter(model)) == []  # built's entry serves batch bucket 1, greedy
+    assert round_cache.missing(cached_drafter(model), sampled=True) == [1]
+    monkeypatch.setenv(round_cache.ENV_VAR, str(tmp_path))
+    assert round_cache.missing(Drafter(model, 4, MAX_LENGTH, num_speculative_tokens=K, batch_buckets=(1, 2))) == [
+        1, 2, 4]
+    assert round_cache.missing(Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=1)) == []  # uses no cache
+    monkeypatch.setenv(round_cache.ENV_VAR, "off")
+    assert round_cache.missing(cached_drafter(model)) == []
