@@ -188,15 +188,17 @@ class Prebuild:
     def __init__(self, sections: list[str], argv: list[str]):
         self.done: dict[str, float] = {}
         self.waited: set[str] = set()
-        self.process = subprocess.Popen(**_bench("prebuild", ",".join(sections), str(time.perf_counter() - _T0),
-                                                 *argv), stdout=subprocess.PIPE)
+        started = time.time() - (time.perf_counter() - _T0)  # the run's clock, in wall seconds
+        self.process = subprocess.Popen(**_bench("prebuild", ",".join(sections), str(started), *argv),
+                                        stdout=subprocess.PIPE)
 
     @staticmethod
-    def serve(sections: list[str], settings: Settings, modules: dict, clock_s: float) -> None:
+    def serve(sections: list[str], settings: Settings, modules: dict, started: float) -> None:
         """The second process's side (``python -m bench prebuild``): each section module's ``prebuild(settings)`` in
-        turn, a line to the run as each is done; progress lines on the run's clock (``clock_s``: its seconds now)."""
+        turn, a line to the run as each is done; progress lines on the run's clock (``started``: its wall-clock
+        start)."""
         global _T0, _WHO
-        _T0, _WHO = time.perf_counter() - clock_s, " 2nd process"
+        _T0, _WHO = time.perf_counter() - (time.time() - started), " 2nd process"
         torch.set_num_threads(settings.threads)  # what the entries' code is built for, as in the run
         with ONE_TIME.recording():  # shows the round builds as progress lines
             for name in sections:

@@ -316,7 +316,7 @@ def report_command(a: argparse.Namespace) -> int:
 
 def prebuild_command(a: argparse.Namespace) -> int:
     settings = parse_args(a.argv)
-    Prebuild.serve(a.sections.split(","), settings, {section.name: section.module for section in SECTIONS}, a.clock)
+    Prebuild.serve(a.sections.split(","), settings, {section.name: section.module for section in SECTIONS}, a.started)
     return 0
 
 
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     probe.add_argument("args_json")
     second = sub.add_parser("prebuild", help="internal: a run's second process")
     second.add_argument("sections")
-    second.add_argument("clock", type=float)
+    second.add_argument("started", type=float)
     second.add_argument("argv", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     if a.command == "prebuild":

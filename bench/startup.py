@@ -74,34 +74,28 @@ def _drafter(mtp: InklingMTP, rows, k: int, **kwargs) -> Drafter:
     return d
 
 
-def _built(mtp: InklingMTP, rows, choices: bool, prebuilt: Callable[[], None]) -> dict:
-    """Each variant built and its first round run untimed (round_k's package: after ``prebuilt()``, as a second
-    process may be building it): name -> (its rounds, build seconds)."""
-    builders = {"round_1": lambda: _drafter(mtp, rows, 1),
-                "round_k_steps": lambda: _drafter(mtp, rows, K, cached_rounds=False),
-                "round_k": lambda: prebuilt() or _drafter(mtp, rows, K)}
-    if choices:
-        builders["round_k_one_graph"] = lambda: _one_graph_round(_drafter(mtp, rows, K, cached_rounds=False))
-    built = {}
-    for name, build in builders.items():
-        progress(f"startup: {name} (built and first run untimed)")
-        start = time.perf_counter()
-        rounds = _rounds(build(), rows)
-        rounds()
-        built[name] = rounds, time.perf_counter() - start
-    return built
-
-
 def _rows(mtp: InklingMTP):
     return random_rows(mtp, 1, 0, MAX_LENGTH - 1, torch.Generator().manual_seed(0))
 
 
 @torch.no_grad()
-def _round_variants(mtp: InklingMTP, choices: bool, budget_s: float, prebuilt) -> tuple[dict, dict, dict]:
-    """Each variant built, the drafts compared over 400 rounds, then all timed."""
+def _round_variants(mtp: InklingMTP, choices: bool, budget_s: float, prebuilt: Callable[[], None]
+                    ) -> tuple[dict, dict, dict]:
+    """Each variant built and its first round run untimed (round_k's after ``prebuilt()``: a second process may be
+    packaging it), the drafts compared over 400 rounds, then all timed."""
     rows = _rows(mtp)
-    built = _built(mtp, rows, choices, prebuilt)
-    variants, build_s = {name: r for name, (r, _) in built.items()}, {name: s for name, (_, s) in built.items()}
+    builders = {"round_1": lambda: _drafter(mtp, rows, 1),
+                "round_k_steps": lambda: _drafter(mtp, rows, K, cached_rounds=False),
+                "round_k": lambda: prebuilt() or _drafter(mtp, rows, K)}
+    if choices:
+        builders["round_k_one_graph"] = lambda: _one_graph_round(_drafter(mtp, rows, K, cached_rounds=False))
+    variants, build_s = {}, {}
+    for name, build in builders.items():
+        progress(f"startup: {name} (built and first run untimed)")
+        start = time.perf_counter()
+        variants[name] = _rounds(build(), rows)
+        variants[name]()
+        build_s[name] = time.perf_counter() - start
     drafts = {name: [variants[name]().drafts.clone() for _ in range(400)] for name in variants if name != "round_1"}
     same = {name: all(map(torch.equal, d, drafts["round_k_steps"])) for name, d in drafts.items()}
     eager = _rounds(_drafter(mtp, rows, K, compile=False), rows)
