@@ -1,5 +1,6 @@
 """What every section shares: progress lines, timing (``torch.utils.benchmark`` on CPU, ``triton.testing.do_bench``
-on CUDA), the one subprocess probe, JSON records and the table formatter."""
+on CUDA), the one subprocess probe, the run's second process (one-time builds ahead), JSON records and the table
+formatter."""
 
 from __future__ import annotations
 
@@ -320,4 +321,4 @@ class Context:
     models: Callable[[], object]
     e2e_target: Callable[[], object]
     publish: Callable[[object], None]
-    prebuilt: Callable[[], None] = lambda: None  # waits for the section's builds in the second process (Prebuild)
+    prebuilt: Callable[[], None]  # waits for the section's builds in the second process (Prebuild), if any

@@ -1,5 +1,6 @@
 """``python -m bench``: sub-commands ``run`` (the default: measure, print, write the JSON and the report image),
-``report RESULT.json`` (a saved run's table and image) and ``probe`` (internal); sections: :data:`SECTIONS`."""
+``report RESULT.json`` (a saved run's table and image), ``probe`` and ``prebuild`` (internal: a fresh process's
+measurement, a run's second process); sections: :data:`SECTIONS`."""
 
 from __future__ import annotations
 
@@ -208,7 +209,8 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
         os.cpu_count() > 1 else None
     try:
         for section in selected:
-            prebuilt = functools.partial(second.wait, section.name) if second and section.name in ahead else None
+            prebuilt = functools.partial(second.wait, section.name) if second and section.name in ahead else \
+                (lambda: None)
             for preset in s.configs if section.per_config else (None,):
                 if s.runs(section.name, preset):
                     _section(s, section, preset, result, target, save, prebuilt)
@@ -241,7 +243,7 @@ def _models(preset: str, device: str, dtype: str, weights: str | None, peer: boo
     return load_models(preset, device=device, dtype=getattr(torch, dtype), weights=weights, peer=peer)
 
 
-def _section(s: Settings, section: Section, preset: str | None, result: dict, target, save, prebuilt=None) -> None:
+def _section(s: Settings, section: Section, preset: str | None, result: dict, target, save, prebuilt) -> None:
     """One section (for one preset) measured and saved; a failure is recorded and the run goes on."""
     home = result["configs"].setdefault(preset, {}) if preset else result
     models = functools.partial(_models, preset, s.device, s.dtype, s.weights, s.runs("peer"))
@@ -253,8 +255,7 @@ def _section(s: Settings, section: Section, preset: str | None, result: dict, ta
     if preset and "model" not in home:
         home["model"] = models().describe()
     try:
-        home[section.name] = plain(section.module.measure(Context(s, preset, models, target, publish,
-                                                                         prebuilt or (lambda: None))))
+        home[section.name] = plain(section.module.measure(Context(s, preset, models, target, publish, prebuilt)))
     except Exception as e:  # noqa: BLE001 - keep the other sections' figures
         progress(f"{section.name}{' ' + preset if preset else ''}: FAILED: {type(e).__name__}: {e}")
         home[section.name] = {"error": error_text(e)}
