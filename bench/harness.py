@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -181,35 +182,42 @@ def keep_compiles(cache_dir: str) -> None:
 
 
 class Prebuild:
-    """The one-time builds of later sections (the text target, K-depth round packages, first compiles into the FX
-    graph cache: minutes on a machine's first run, none later) done ahead by a second process on the core the
-    measuring process leaves idle (it times one thread); a section :meth:`wait`s for its builds where it needs them
-    (``Context.prebuilt``)."""
+    """The one-time builds of later sections (the text target, packaged K-depth rounds: minutes on a machine's first
+    run, none later) done ahead by a second process, at a lower priority and with one compile thread, on the cores
+    the run's timing threads leave; a section :meth:`wait`s for its builds where it needs them (``Context.prebuilt``).
+    """
 
     def __init__(self, sections: list[str], argv: list[str]):
-        self.done: dict[str, float] = {}
-        self.waited: set[str] = set()
+        self.sections, self.waited = sections, set()
+        self.done: dict[str, float | None] = {}  # section -> seconds it built (None: its prebuild failed)
         started = time.time() - (time.perf_counter() - _T0)  # the run's clock, in wall seconds
-        self.process = subprocess.Popen(**_bench("prebuild", ",".join(sections), str(started), *argv),
-                                        stdout=subprocess.PIPE)
+        child = _bench("prebuild", ",".join(sections), str(started), *argv)
+        child["env"]["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        self.process = subprocess.Popen(**{**child, "cwd": os.getcwd()}, stdout=subprocess.PIPE)  # argv's paths
 
     @staticmethod
     def serve(sections: list[str], settings: Settings, modules: dict, started: float) -> None:
         """The second process's side (``python -m bench prebuild``): each section module's ``prebuild(settings)`` in
-        turn, a line to the run as each is done; progress lines on the run's clock (``started``: its wall-clock
-        start)."""
+        turn, a line to the run as each is done with the seconds it built; progress lines on the run's clock
+        (``started``: its wall-clock start). A TERM from the run ends it through its cleanups."""
         global _T0, _WHO
         _T0, _WHO = time.perf_counter() - (time.time() - started), " 2nd process"
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+        os.nice(10)  # the run's measurements first
         torch.set_num_threads(settings.threads)  # what the entries' code is built for, as in the run
-        with ONE_TIME.recording():  # shows the round builds as progress lines
-            for name in sections:
-                start = time.perf_counter()
-                modules[name].prebuild(settings)
-                print(PROBE_PREFIX + json.dumps({name: time.perf_counter() - start}), flush=True)
+        for name in sections:
+            with ONE_TIME.recording() as built:  # shows the round builds as progress lines
+                try:
+                    modules[name].prebuild(settings)
+                    found = sum(built.seconds.values())
+                except Exception as e:  # noqa: BLE001 - the section then builds for itself; the others go on
+                    progress(f"{name}: building ahead FAILED: {error_text(e)}")
+                    found = None
+            print(PROBE_PREFIX + json.dumps({name: found}), flush=True)
 
     def wait(self, section: str) -> None:
-        """Until the second process has reported ``section`` built (or ended: the section then builds for itself);
-        the seconds waited are one-time builds."""
+        """Until the second process has reported ``section`` (or ended: the section then builds what it needs
+        itself); the seconds waited count as one-time builds where it built something."""
         if section in self.waited:
             return
         self.waited.add(section)
@@ -217,23 +225,27 @@ class Prebuild:
         while section not in self.done and (line := self.process.stdout.readline()):
             if line.startswith(PROBE_PREFIX):
                 self.done.update(json.loads(line[len(PROBE_PREFIX):]))
-        if section in self.done:
-            waited = time.perf_counter() - start
+        waited, built = time.perf_counter() - start, self.done.get(section)
+        if built:
             ONE_TIME.add("waiting for the second process", waited)
-            ONE_TIME.beside += max(0.0, self.done[section] - waited)
-            progress(f"{section}: the second process's builds took {self.done[section]:.1f} s; waited {waited:.1f} s")
-        else:
-            progress(f"{section}: the second process ended (exit {self.process.wait()}) before its builds; the "
-                     "section builds what it needs itself")
+            ONE_TIME.beside += max(0.0, built - waited)
+            progress(f"{section}: the second process built for {built:.1f} s; waited {waited:.1f} s")
+        elif built is None:
+            why = "it failed" if section in self.done else f"the second process ended, exit {self.process.wait()}"
+            progress(f"{section}: not built ahead ({why}); the section builds what it needs itself")
 
-    def close(self, sections: list[str]) -> None:
-        """Let it finish when every one of ``sections`` was built (it is exiting), else stop it (a build it leaves
-        half done is in a temporary directory: the caches never see it)."""
+    def close(self) -> None:
+        """Let it finish when every section was reported (it is exiting), else stop it: TERM first, so that a build
+        it leaves half done is removed by its own cleanups (they are in temporary directories)."""
         try:
-            self.process.wait(timeout=60 if set(sections) <= set(self.done) else 0)
+            self.process.wait(timeout=60 if set(self.sections) <= set(self.done) else 0)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
         self.process.stdout.close()
 
 

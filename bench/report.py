@@ -162,10 +162,10 @@ def wall_line(result: dict) -> str:
     if not built and beside < 2.0:  # a second process with nothing to build: its imports and loads
         return f"wall time {result['wall_s']:.0f} s"
     total = sum(built.values())
+    parts = [", ".join(f"{kind} {s:.0f} s" for kind, s in built.items())] if built else []
+    parts += [f"and {beside:.0f} s in a second process beside the measuring"] if beside >= 2.0 else []
     return (f"wall time {result['wall_s']:.0f} s: measuring {result['wall_s'] - total:.0f} s, one-time builds "
-            f"{total:.0f} s ({', '.join(f'{kind} {s:.0f} s' for kind, s in built.items())}"
-            + (f"; and {beside:.0f} s in a second process beside the measuring" if beside >= 2.0 else "")
-            + "; cached: later runs skip them)")
+            f"{total:.0f} s ({'; '.join([*parts, 'cached: later runs skip them'])})")
 
 
 def append_results(path: Path, result: dict, text: str) -> None:

@@ -204,9 +204,9 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
     target = functools.cache(lambda: e2e.build_target(s))
     selected = [section for section in SECTIONS if _selected(s, section)]
     ahead = [section.name for section in selected if hasattr(section.module, "prebuild") and s.runs(section.name)]
-    # on CPU only (what it builds is CPU code), with the round cache on (tests turn it off), on more than one core
+    # on CPU only (what it builds is CPU code), with the round cache on (tests turn it off), on a core left free
     second = Prebuild(ahead, given) if ahead and s.device == "cpu" and round_cache.cache_root() is not None and \
-        os.cpu_count() > 1 else None
+        (os.cpu_count() or 1) > s.threads else None
     try:
         for section in selected:
             prebuilt = functools.partial(second.wait, section.name) if second and section.name in ahead else \
@@ -216,7 +216,7 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
                     _section(s, section, preset, result, target, save, prebuilt)
     finally:
         if second:
-            second.close(ahead)
+            second.close()
     save(partial=False)
     text = format_table(result)
     print(text, flush=True)
