@@ -20,7 +20,6 @@ from transformers import DynamicCache
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 
 from inkling_compiled import InklingMTP
-from inkling_compiled.config import logits_vocab_size
 from inkling_compiled.hf_compat import cache_argument
 from inkling_compiled.runtime import Drafter, round_cache, speculative
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
@@ -312,8 +311,7 @@ def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, 
     """Every figure of the section on ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
     up = setup(checkpoint, cfg, prompts)
     target, mtp, prompts, by_k, max_length = up.target, up.mtp, up.prompts, up.drafters, up.max_length
-    text, new = target.config.get_text_config(), cfg.new_tokens
-    vocab = logits_vocab_size(text)
+    text, new, vocab = target.config.get_text_config(), cfg.new_tokens, mtp.config.logits_vocab_size
     gconfig, gconfig_mtp = (greedy_generation_config(target, new) for _ in range(2))
     gconfig_mtp.use_mtp = True
 
