@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import torch
 from torch.utils import benchmark
+
+from inkling_compiled.atomic_files import write_files_atomically
 
 from . import PROBE_PREFIX
 
@@ -74,12 +75,6 @@ class OneTimeBuilds(logging.Handler):
 
 
 ONE_TIME = OneTimeBuilds()
-
-
-def cpu_seconds() -> float:
-    """User + system seconds of this process and its finished children (the C++ compilers)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -262,10 +257,8 @@ def plain(record) -> object:
 
 def write_json(path: Path, value) -> None:
     """Whole or not at all: a run killed while writing leaves the previous copy."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, default=_to_json) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(value, indent=1, default=_to_json) + "\n"
+    write_files_atomically(path.parent, {path.name: lambda tmp: tmp.write_text(text)})
 
 
 def error_text(e: BaseException) -> str:

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
+
+from inkling_compiled.atomic_files import write_files_atomically
 
 from .e2e import LABELS
 from .harness import ms
@@ -279,13 +280,7 @@ def draw_report(result: dict, path: Path) -> Drawn:
         ax.tick_params(labelsize=7)
         ax.grid(axis="y", alpha=0.3)
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(tmp, format="png", dpi=DPI)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_files_atomically(path.parent, {path.name: lambda tmp: fig.savefig(tmp, format="png", dpi=DPI)})
     return Drawn(path, [p.title for p in panels], left_out)
 
 
