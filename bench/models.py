@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import InklingConfig, InklingForConditionalGeneration
 from transformers.modeling_layers import MtpModel
 
@@ -81,9 +82,5 @@ def distilled(preset: str = "tiny8", steps: int | None = None) -> Path:
 
 def left_pad(prompts: list[torch.Tensor], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """1-D prompts of different lengths as one left-padded batch: (ids, attention mask)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
-    return ids, mask
+    ids = pad_sequence(prompts, batch_first=True, padding_value=pad_token_id, padding_side="left")
+    return ids, pad_sequence([torch.ones_like(p) for p in prompts], batch_first=True, padding_side="left")
