@@ -20,7 +20,6 @@ from transformers import DynamicCache
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 
 from inkling_compiled import InklingMTP
-from inkling_compiled.hf_compat import cache_argument
 from inkling_compiled.runtime import Drafter, round_cache, speculative
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target
 from inkling_compiled.training import distill, text_target
@@ -311,7 +310,7 @@ def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, 
     """Every figure of the section on ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
     up = setup(checkpoint, cfg, prompts)
     target, mtp, prompts, by_k, max_length = up.target, up.mtp, up.prompts, up.drafters, up.max_length
-    text, new, vocab = target.config.get_text_config(), cfg.new_tokens, mtp.config.logits_vocab_size
+    text, new = target.config.get_text_config(), cfg.new_tokens
     gconfig, gconfig_mtp = (greedy_generation_config(target, new) for _ in range(2))
     gconfig_mtp.use_mtp = True
 
@@ -327,9 +326,7 @@ def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, 
         """The target alone through the calls our speculative loop makes (no generate() machinery)."""
         cache, mask, step, out = DynamicCache(config=target.config), torch.ones_like(ids), ids, [ids]
         for _ in range(new):
-            h = target.model(input_ids=step, attention_mask=mask, use_cache=True,
-                             **{cache_argument(target.model): cache}).last_hidden_state
-            step = target.lm_head(h[:, -1:] / text.logits_mup_width_multiplier)[..., :vocab].argmax(-1)
+            step = speculative._target_step(target, step, mask, cache, last_only=True)[1].argmax(-1)
             out.append(step)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         return torch.cat(out, dim=1), None
@@ -447,10 +444,6 @@ def prebuild(s: Settings) -> None:
                 up.ours(d, new_tokens=k + 1)(*padded_groups(up.prompts, batch)[0])  # one draft round at least
 
 
-def _per_position(m: dict) -> str:
-    return " ".join(f"{a:.2f}" for a in m.get("acceptance_per_position") or []) or "-"
-
-
 def lines(e2e: dict) -> list[str]:
     agree = (e2e.get("distill") or {}).get("agreement_after")
     out = [f"end to end ({e2e['target']}; greedy, batch 1, {e2e['prompts']} prompts x {e2e['new_tokens']} new tokens"
@@ -458,8 +451,9 @@ def lines(e2e: dict) -> list[str]:
     rows = [["method", "tok/s", "ms/tok", "accept", "accepted len", "acceptance per position", "vs target",
              "vs hf", "same tokens", "warm-up s"]]
     for name, m in e2e["methods"].items():
+        per_position = " ".join(f"{a:.2f}" for a in m.get("acceptance_per_position") or []) or "-"
         rows.append([label(name), f"{m['tokens_per_s']:.1f}", f"{m['ms_per_token']:.2f}", fmt(m.get("acceptance")),
-                     fmt(m.get("accepted_length")), _per_position(m), f"{m['speedup_vs_target']:.2f}x",
+                     fmt(m.get("accepted_length")), per_position, f"{m['speedup_vs_target']:.2f}x",
                      fmt(m["speedup_vs_hf_mtp"], ".2f", "x"), yes(m["outputs_match_target"]), f"{m['warmup_s']:.1f}"])
     out += table(rows)
     if "hf_mtp" in e2e["methods"]:
