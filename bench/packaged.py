@@ -82,10 +82,10 @@ def latency(models: Models, batch: int, context: int, max_length: int, package: 
     variants, drafts = {}, {}
     for name, drafter in drafters.items():
         variants[name] = S.prefill(models, drafter, inputs)
-        drafts[name] = drafter.draft(inputs.ids, inputs.positions, inputs.hidden).drafts  # compiles, captures
+        drafts[name] = drafter.draft(*inputs.new).drafts  # compiles, captures
     if models.device.type == "cpu":
         for name in ("compiled", "packaged"):
-            variants[f"{name}_call"] = drafters[name].static_step(*inputs.positions.shape)
+            variants[f"{name}_call"] = drafters[name].static_step(*inputs.new[1].shape)
     if models.hf_mtp is not None:
         variants["hf_eager"] = S.HFStep(models, inputs)
     variants["gemm_floor"] = S.gemm_floor(models, inputs, max_length)

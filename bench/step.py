@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from unittest import mock
 
 import torch
@@ -27,21 +28,17 @@ LABELS = {"eager": "ours eager", "compiled_nopasses": "ours compiled (stock Indu
           "gemm_floor": "GEMM floor (the step's GEMMs alone)"}
 
 
-@dataclass
-class StepInputs:
-    prefill_ids: torch.Tensor  # [B, P] tokens x_1..x_P (row t carries x_{t+1})
-    prefill_positions: torch.Tensor  # [B, P] 0..P-1
-    prefill_hidden: torch.Tensor  # [B, P, H]
-    ids: torch.Tensor  # [B, 1] x_{P+1}
-    positions: torch.Tensor  # [B, 1] P
-    hidden: torch.Tensor  # [B, 1, H]
+class StepInputs(NamedTuple):
+    """Draft-step rows as (ids, positions, hidden), [B, P] / [B, P] / [B, P, H]; row t carries token x_{t+1}."""
+
+    context: tuple  # the P rows prefilled, positions 0..P-1
+    new: tuple  # the one new row the step drafts from, position P
 
 
 def make_inputs(models: Models, batch: int, context: int, seed: int = 0) -> StepInputs:
     """``context`` rows to prefill and one new row: the step's cost does not depend on their values."""
-    ids, positions, hidden = random_rows(models.mtp, batch, 0, context + 1, torch.Generator().manual_seed(seed))
-    return StepInputs(ids[:, :context], positions[:, :context], hidden[:, :context],
-                      ids[:, context:], positions[:, context:], hidden[:, context:])
+    rows = random_rows(models.mtp, batch, 0, context + 1, torch.Generator().manual_seed(seed))
+    return StepInputs(tuple(t[:, :context] for t in rows), tuple(t[:, context:] for t in rows))
 
 
 @contextlib.contextmanager
@@ -69,9 +66,8 @@ def make_drafter(models: Models, batch: int, max_length: int, *, compile: bool, 
 def prefill(models: Models, drafter: Drafter, inputs: StepInputs):
     """Eager depth-0 prefill into the drafter's cache (no compile of the prefill shape); returns the drafter's step."""
     with torch.no_grad():
-        models.mtp(inputs.prefill_ids, inputs.prefill_positions, inputs.prefill_hidden, cache=drafter.cache,
-                   depth=0)
-    return lambda: drafter.draft(inputs.ids, inputs.positions, inputs.hidden, validate=False).tokens
+        models.mtp(*inputs.context, cache=drafter.cache, depth=0)
+    return lambda: drafter.draft(*inputs.new, validate=False).tokens
 
 
 def first_step(models: Models, drafter: Drafter, inputs: StepInputs) -> tuple[Callable, float]:
@@ -90,21 +86,21 @@ class HFStep:
     state right after the prefill (a shallow copy of its attributes: microseconds), so the context stays fixed."""
 
     def __init__(self, models: Models, inputs: StepInputs):
-        self.mtp, self.inputs = models.hf_mtp, inputs
+        self.mtp, self.new = models.hf_mtp, inputs.new
         self.cache = MtpCache(config=models.target.config.get_mtp_config())
         self.cache.activate_past_recording()
         with torch.no_grad():
-            self.mtp.forward_layer(0, inputs.prefill_hidden, inputs.prefill_positions + 1, self.cache,
-                                   input_ids=inputs.prefill_ids)
+            self.forward(*inputs.context)
         self.layer = self.cache.layers[0]
         self.snapshot = dict(self.layer.__dict__)
 
     def __call__(self):
         self.layer.__dict__.update({k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
                                     for k, v in self.snapshot.items()})
-        x = self.inputs
-        out = self.mtp.forward_layer(0, x.hidden, x.positions + 1, self.cache, input_ids=x.ids)
-        return self.mtp._project_to_logits(out[:, -1:]).argmax(-1)
+        return self.mtp._project_to_logits(self.forward(*self.new)[:, -1:]).argmax(-1)
+
+    def forward(self, ids, positions, hidden):
+        return self.mtp.forward_layer(0, hidden, positions + 1, self.cache, input_ids=ids)
 
 
 def step_bytes(models: Models, batch: int, context: int) -> dict:
@@ -132,7 +128,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 def gemm_floor(models: Models, inputs: StepInputs, max_length: int) -> GemmFloor:
     """The eager step's GEMMs (on a drafter of its own) recorded and replayed alone."""
-    step = prefill(models, make_drafter(models, inputs.ids.shape[0], max_length, compile=False), inputs)
+    step = prefill(models, make_drafter(models, inputs.new[0].shape[0], max_length, compile=False), inputs)
     return GemmFloor(record_gemms(step, models.mtp.parameters())[0], models.device)
 
 
@@ -204,7 +200,7 @@ def _batch(ctx: Context, models: Models, record: Latency, entry: StepLatency, co
             kernels[side] = {**kernel_stats(code).to_dict(), "graphs": len(code)}
             kernels[f"matches_{side}"] = {k: after[k] - before.get(k, 0) for k in after}
         if name == "compiled" and models.device.type == "cpu":
-            variants["compiled_call"] = drafter.static_step(*inputs.positions.shape)
+            variants["compiled_call"] = drafter.static_step(*inputs.new[1].shape)
         return step
 
     if s.runs("compiled"):
