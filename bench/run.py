@@ -315,12 +315,6 @@ def report_command(a: argparse.Namespace) -> int:
     return 0
 
 
-def prebuild_command(a: argparse.Namespace) -> int:
-    settings = parse_args(a.argv)
-    Prebuild.serve(a.sections.split(","), settings, {section.name: section.module for section in SECTIONS}, a.started)
-    return 0
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
@@ -341,7 +335,8 @@ def main(argv=None) -> int:
     second.add_argument("argv", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     if a.command == "prebuild":
-        return prebuild_command(a)
+        Prebuild.serve(a.sections.split(","), parse_args(a.argv), {s.name: s.module for s in SECTIONS}, a.started)
+        return 0
     if a.command == "probe":
         from . import probe_main  # `python -m bench probe` reaches it before this module (bench/__main__.py)
 
