@@ -18,6 +18,8 @@ from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.distributed import run_ranks
 from inkling_compiled.testing.synthetic import cached_checkpoint, preset_config
 
+from .harness import random_rows
+
 PRESET, ROUNDS, QUICK_ROUNDS, FULL_WORLD = "small", 20, 5, 8
 COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"}
 BF16 = 2  # bytes
@@ -82,18 +84,16 @@ def parameter_bytes(model: InklingMTP) -> int:
 
 def _rounds(model: InklingMTP, batch: int, rounds: int, temperature: float):
     """A prefill of 8 rows, then ``rounds`` one-row rounds: (drafts, median s per round, the last round's counts)."""
-    gen, drafter, config = torch.Generator().manual_seed(0), Drafter(model, batch, 64, compile=False), model.config
-    ids = torch.randint(0, config.logits_vocab_size, (batch, 8 + rounds), generator=gen)
-    hidden = torch.randn(batch, 8 + rounds, config.hidden_size, generator=gen)
-    positions = torch.arange(8 + rounds).expand(batch, -1)
+    drafter = Drafter(model, batch, 64, compile=False)
+    rows = random_rows(model, batch, 0, 8 + rounds, torch.Generator().manual_seed(0))
     sampling = dict(temperature=temperature, generator=torch.Generator().manual_seed(1)) if temperature else {}
     drafts, seconds, counter = [], [], CollectiveBytes()
     with torch.no_grad():
-        drafts.append(drafter.draft(ids[:, :8], positions[:, :8], hidden[:, :8], **sampling).drafts)
+        drafts.append(drafter.draft(*(x[:, :8] for x in rows), **sampling).drafts)
         for t in range(8, 8 + rounds):
-            start, row = time.perf_counter(), slice(t, t + 1)
+            start = time.perf_counter()
             with counter if t == 8 + rounds - 1 else contextlib.nullcontext():
-                drafts.append(drafter.draft(ids[:, row], positions[:, row], hidden[:, row], **sampling).drafts)
+                drafts.append(drafter.draft(*(x[:, t:t + 1] for x in rows), **sampling).drafts)
             seconds.append(time.perf_counter() - start)
     return torch.cat(drafts, 1), statistics.median(seconds), counter
 
