@@ -25,7 +25,7 @@ import transformers
 
 from inkling_compiled.runtime import round_cache
 
-from . import compile_time, e2e, multimodal, packaged, plots, quant, report, startup, step, tp
+from . import compile_time, e2e, multimodal, packaged, plots, probe_main, quant, report, startup, step, tp
 from .harness import ONE_TIME, OPT_IN, Context, Prebuild, Settings, error_text, plain, progress, write_json
 from .models import load_models
 
@@ -337,9 +337,7 @@ def main(argv=None) -> int:
     if a.command == "prebuild":
         Prebuild.serve(a.sections.split(","), parse_args(a.argv), {s.name: s.module for s in SECTIONS}, a.started)
         return 0
-    if a.command == "probe":
-        from . import probe_main  # `python -m bench probe` reaches it before this module (bench/__main__.py)
-
+    if a.command == "probe":  # `python -m bench probe` reaches it before importing this module (bench/__main__.py)
         return probe_main(a.function, a.args_json)
     if a.command == "report":
         return report_command(a)
