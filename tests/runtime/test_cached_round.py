@@ -2,7 +2,8 @@
 its first call of a (batch bucket, greedy/sampled), and that one entry serves every window width (rows dynamic);
 a second process reuses it with no compile and without importing Dynamo, Inductor or transformers (so does
 ``Drafter.load_compiled`` of the entry); an entry that differs in any recorded field is refused and rebuilt; and it
-drafts as the compiled round does over a prompt and 64 rounds with every accepted count.
+drafts as the eager model does over a prompt and 64 rounds with every accepted count (the compiled round against the
+eager one: tests/runtime/test_drafter_depths.py).
 
 One entry is built per module and shared: K = 3 over three sliding depths of a checkpoint directory, batch 1,
 greedy, serving the prompt's window (six rows: eight, padded) and both decode windows (three and four rows): the
@@ -97,17 +98,17 @@ def built(model, rounds_dir):
     return drafter, drafts, entries[0]
 
 
-def test_one_cached_round_drafts_as_the_compiled_round_at_every_width_over_64_rounds_and_every_accepted_count(model,
-                                                                                                            built):
+def test_one_cached_round_drafts_as_the_eager_model_at_every_width_over_64_rounds_and_every_accepted_count(model,
+                                                                                                          built):
     drafter, drafts, entry = built
     assert entry.name == round_cache.entry_name(drafter, ENTRY)
     layout = json.loads((entry / packaged.MANIFEST).read_text())["layout"]
     assert layout["buckets"] == [[1, K, False]] and layout["rows"] == list(ROWS)
     assert {drafter.bucket(1, rows)[1] for rows in (PROMPT, *range(1, K + 2))} == {8, K, K + 1}
-    compiled = Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=K, cached_rounds=False)
-    assert decode(compiled) == drafts
-    assert compiled.packaged_buckets == ()
-    for theirs, ours in zip(compiled.cache.depths, drafter.cache.depths, strict=True):
+    eager = Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=K, compile=False)
+    assert decode(eager) == drafts
+    assert eager.packaged_buckets == ()
+    for theirs, ours in zip(eager.cache.depths, drafter.cache.depths, strict=True):
         for a, b in zip(theirs.tensors(), ours.tensors()):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=0, equal_nan=True)
 

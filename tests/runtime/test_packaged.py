@@ -1,5 +1,5 @@
 """Packaged drafter rounds (torch.export + AOTInductor, docs/compile.md §12): the same drafts, hiddens and caches as
-the compiled drafter for K = 1 and K = 3 over 64 rounds and every accepted count, no Dynamo at call time, no weights
+the eager drafter for K = 1 and K = 3 over 64 rounds and every accepted count, no Dynamo at call time, no weights
 in the package, one step per depth geometry, clear errors for a mismatched, missing or damaged package (gpu marker:
 CUDA graphs).
 
@@ -80,16 +80,17 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def compiled(model):
-    """The compiled drafter of each K (compiled on first use)."""
-    return {k: Drafter(model, BATCH, MAX_LENGTH, num_speculative_tokens=k, graph_rows=setup["graph_rows"])
-            for k, setup in SETUPS.items()}
+def eager(model):
+    """The eager drafter of each K: what the packages must draft (the compiled drafter against it:
+    tests/runtime/test_drafter.py, test_drafter_depths.py)."""
+    return {k: Drafter(model, BATCH, MAX_LENGTH, num_speculative_tokens=k, graph_rows=setup["graph_rows"],
+                       compile=False) for k, setup in SETUPS.items()}
 
 
 @pytest.fixture(scope="module")
-def packages(compiled, tmp_path_factory):
+def packages(eager, tmp_path_factory):
     root = tmp_path_factory.mktemp("packaged")
-    return {k: compiled[k].save_compiled(root / f"k{k}", batch_sizes=(BATCH,), rows=SETUPS[k]["rows"])
+    return {k: eager[k].save_compiled(root / f"k{k}", batch_sizes=(BATCH,), rows=SETUPS[k]["rows"])
             for k in SETUPS}
 
 
@@ -112,9 +113,8 @@ def edit_manifest(directory, edit):
 
 @torch.no_grad()
 @pytest.mark.parametrize("k", sorted(SETUPS))
-def test_packaged_rounds_equal_the_compiled_drafter_over_64_rounds_and_every_accepted_count(model, compiled,
-                                                                                            packages, k):
-    expected = decode(compiled[k], windows(k))
+def test_packaged_rounds_equal_the_eager_drafter_over_64_rounds_and_every_accepted_count(model, eager, packages, k):
+    expected = decode(eager[k], windows(k))
     loaded = Drafter.load_compiled(packages[k], model)
     assert loaded.num_speculative_tokens == k
     assert loaded.packaged_buckets == tuple((BATCH, rows, False) for rows in SETUPS[k]["rows"])
@@ -124,7 +124,7 @@ def test_packaged_rounds_equal_the_compiled_drafter_over_64_rounds_and_every_acc
     assert "_depth_step" not in vars(loaded) and "_window_step" not in vars(loaded)  # ... nor a torch.compile wrapper
     assert_same_drafts(results, expected)
     assert all(result.drafts.shape == (BATCH, k) for result in results)
-    assert_same_state(loaded, compiled[k])
+    assert_same_state(loaded, eager[k])
 
 
 def test_one_step_per_depth_geometry_serves_every_depth_of_it(packages):
@@ -200,7 +200,7 @@ def test_a_package_recorded_for_another_torch_device_or_pass_version_is_refused(
 
 
 @torch.no_grad()
-def test_fallback_warns_and_drafts_with_the_usual_step(model, compiled, copied):
+def test_fallback_warns_and_drafts_with_the_usual_step(model, copied):
     directory = edit_manifest(copied, lambda m: m["built_for"].update(torch="2.11.0"))
     with pytest.warns(RuntimeWarning, match="torch '2.11.0'"):
         drafter = Drafter.load_compiled(directory, model, fallback=True, compile=False)
@@ -240,10 +240,10 @@ def test_a_damaged_manifest_is_a_clear_error(model, copied, edit, match):
         Drafter.load_compiled(edit_manifest(copied, edit), model)
 
 
-def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(compiled, packages, tmp_path,
+def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(eager, packages, tmp_path,
                                                                                monkeypatch):
     with pytest.raises(PackageError, match="already exists"):
-        compiled[1].save_compiled(packages[1])
+        eager[1].save_compiled(packages[1])
 
     def fail(step, inputs, state, path, options, dynamic_shapes):
         path.write_bytes(b"half a package")
@@ -251,7 +251,7 @@ def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(com
 
     monkeypatch.setattr(packaged, "_package", fail)
     with pytest.raises(RuntimeError, match="compiler crashed"):
-        compiled[1].save_compiled(tmp_path / "new")
+        eager[1].save_compiled(tmp_path / "new")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -260,9 +260,9 @@ def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(com
     (dict(rows=(0,)), "each of rows must be an int >= 1"),
     (dict(sampled=1), "sampled must be a bool"),
 ])
-def test_save_compiled_arguments_are_checked(compiled, tmp_path, kwargs, match):
+def test_save_compiled_arguments_are_checked(eager, tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        compiled[1].save_compiled(tmp_path / "p", **kwargs)
+        eager[1].save_compiled(tmp_path / "p", **kwargs)
 
 
 def test_a_quantized_drafter_with_frozen_weights_is_not_packaged(tmp_path):
@@ -272,9 +272,9 @@ def test_a_quantized_drafter_with_frozen_weights_is_not_packaged(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
-def test_a_step_reading_a_tensor_outside_its_state_is_not_packaged(model, compiled, tmp_path):
+def test_a_step_reading_a_tensor_outside_its_state_is_not_packaged(model, eager, tmp_path):
     stray = torch.ones(H)
-    state = packaged.depth_state(model, model.layers[0], compiled[1].cache.depths[0])
+    state = packaged.depth_state(model, model.layers[0], eager[1].cache.depths[0])
     with pytest.raises(PackageError, match="reads tensors outside its state"):
         packaged.save(tmp_path / "p", {"step": (lambda x: (model.compute_logits(x * stray),), (torch.zeros(2, H),),
                                                 state)}, built_for={}, layout={}, inductor_options={})
