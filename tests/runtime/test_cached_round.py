@@ -8,7 +8,7 @@ eager one: tests/runtime/test_drafter_depths.py).
 One entry is built per module and shared: K = 3 over three sliding depths of a checkpoint directory, batch 1,
 greedy, serving the prompt's window (six rows: eight, padded) and both decode windows (three and four rows): the
 prologue and one depth step, two AOTInductor compiles. The rebuild test swaps the build for a copy of that entry,
-so it compiles nothing."""
+so it compiles nothing. A sampled entry (two compiles more, `slow`) draws as the eager model does from one seed."""
 
 import json
 import logging
@@ -44,20 +44,22 @@ def peaked_model() -> InklingMTP:
     return model
 
 
-def decode(drafter: Drafter, rounds: int = ROUNDS) -> list[list[int]]:
+def decode(drafter: Drafter, rounds: int = ROUNDS, temperature: float = 0.0) -> list[list[int]]:
     """The drafts of a prompt of ``PROMPT`` rows and then ``rounds - 1`` rounds, a + 1 new rows after a round that
-    accepted a drafts, a = 0..K in turn, over one seeded stream of committed rows."""
+    accepted a drafts, a = 0..K in turn, over one seeded stream of committed rows (sampled at ``temperature`` > 0
+    from one seeded generator)."""
     rows_per_round = [PROMPT] + [1 + i % (K + 1) for i in range(ROUNDS - 1)]
     length = sum(rows_per_round)  # one stream whatever ``rounds``: the first rounds of any run see the same rows
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, drafter.model.config.logits_vocab_size, (1, length), generator=gen)
     hidden = torch.randn(1, length, drafter.model.config.hidden_size, generator=gen)
     positions = torch.arange(length)[None]
-    drafts, start = [], 0
+    drafts, start, sampler = [], 0, torch.Generator().manual_seed(7)
     with torch.no_grad():
         for rows in rows_per_round[:rounds]:
             part = slice(start, start + rows)
-            drafts.append(drafter.draft(ids[:, part], positions[:, part], hidden[:, part]).drafts[0].tolist())
+            drafts.append(drafter.draft(ids[:, part], positions[:, part], hidden[:, part], temperature=temperature,
+                                        generator=sampler).drafts[0].tolist())
             start += rows
     return drafts
 
@@ -125,6 +127,22 @@ loaded = Drafter.load_compiled(sys.argv[1], peaked_model())
 print(json.dumps({"cached": cached, "loaded": decode(loaded, 8), "buckets": [drafter.packaged_buckets,
                   loaded.packaged_buckets], "heavy": [m for m in HEAVY if m in sys.modules]}))
 """
+
+
+@pytest.mark.slow  # its own entry: two more AOTInductor compiles
+def test_a_sampled_entry_draws_as_the_eager_model_from_the_same_generator(model, tmp_path, monkeypatch):
+    """Sampling has its own entry (the round takes the noise and 1 / temperature as inputs); it consumes the
+    generator as the eager round does, so one seed gives the same drafts. At temperature 30 the peaked head's x 30
+    is undone: real draws, not the argmax."""
+    monkeypatch.setenv(round_cache.ENV_VAR, str(tmp_path))
+    drafter = cached_drafter(model)
+    drafts = decode(drafter, 16, temperature=30.0)
+    assert [p.name for p in tmp_path.iterdir()] == [round_cache.entry_name(drafter, (1, True))]
+    assert drafter.packaged_buckets == tuple((1, w, True) for _, w, _ in SERVED)
+    assert round_cache.missing(drafter, sampled=True) == [] and round_cache.missing(drafter) == [1]
+    eager = Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=K, compile=False)
+    assert decode(eager, 16, temperature=30.0) == drafts
+    assert drafts != decode(eager, 16)
 
 
 def test_a_second_process_reuses_the_entry_with_no_compile_and_no_compiler_or_transformers_imported(built,
