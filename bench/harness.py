@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -170,10 +171,7 @@ def keep_compiles(cache_dir: str) -> None:
     for path in source.rglob("*"):
         copy = target / path.relative_to(source)
         if path.is_file() and not path.is_symlink() and not copy.exists():
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            temporary = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
-            shutil.copy2(path, temporary)
-            os.replace(temporary, copy)
+            write_files_atomically(copy.parent, {copy.name: functools.partial(shutil.copy2, path)})
 
 
 class Prebuild:
