@@ -230,15 +230,15 @@ class Prebuild:
     def close(self) -> None:
         """Let it finish when every section was reported (it is exiting), else stop it: TERM first, so that a build
         it leaves half done is removed by its own cleanups (they are in temporary directories)."""
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=60 if set(self.sections) <= set(self.done) else 0)
-        except subprocess.TimeoutExpired:
+        if self.process.returncode is None:
             self.process.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process.returncode is None:
+            self.process.kill()
+            self.process.wait()
         self.process.stdout.close()
 
 
