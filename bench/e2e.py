@@ -1,6 +1,5 @@
-"""End to end on a self-distilled target, greedy (section ``e2e``): our speculative generation at each K against the
-target alone and ``generate(use_mtp=True)``; with ``--full`` every K's draft rounds and cold compiles, and left-padded
-batches per row vs lockstep with the rollback's cost. Methods take turns input by input, so drift hits them alike."""
+"""The ``e2e`` section (its parts: bench/README.md): greedy speculative generation against the target alone and
+``generate(use_mtp=True)``, on a self-distilled target; methods take turns input by input, so drift hits them alike."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""What every section shares: progress lines, timing (``torch.utils.benchmark`` on CPU, ``triton.testing.do_bench``
-on CUDA), the one subprocess probe, the run's second process (one-time builds ahead), JSON records and the table
-formatter."""
+"""What every section shares (listed in bench/README.md), so that each measures, records and prints alike."""
 
 from __future__ import annotations
 
