@@ -413,9 +413,7 @@ def config(s: Settings) -> E2EConfig:
 
 
 def measure(ctx: Context) -> E2E:
-    # every K in the batches too (the K sweep's batch-4 figures); a K > 1 packages its round per batch bucket on a
-    # machine's first run (a minute or two each; bench.harness.Prebuild does it ahead), later runs load them
-    ctx.prebuilt()  # the text target and the K > 1 drafters' packaged rounds
+    ctx.prebuilt()  # what prebuild() below builds: minutes on a machine's first run, a load on later ones
     target = ctx.e2e_target()
     return run_e2e(target.checkpoint, config(ctx.settings), prompts=target.prompts, target_label=target.label,
                    distill_metrics=target.metrics)
