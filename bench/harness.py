@@ -207,9 +207,9 @@ class Prebuild:
             print(PROBE_PREFIX + json.dumps({name: found}), flush=True)
 
     def wait(self, section: str) -> None:
-        """Until the second process has reported ``section`` (or ended: the section then builds what it needs
-        itself); the seconds waited count as one-time builds where it built something."""
-        if section in self.waited:
+        """Until the second process has reported ``section``, one it builds ahead (or ended: the section then
+        builds what it needs itself); the seconds waited count as one-time builds where it built something."""
+        if section in self.waited or section not in self.sections:
             return
         self.waited.add(section)
         start = time.perf_counter()
