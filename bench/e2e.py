@@ -1,11 +1,9 @@
-"""End to end on a self-distilled target, greedy (section ``e2e``): our speculative generation at each K against the
-target alone and ``generate(use_mtp=True)``; with ``--full`` every K's draft rounds and cold compiles, and left-padded
-batches per row vs lockstep with the rollback's cost. Methods take turns input by input, so drift hits them alike."""
+"""The ``e2e`` section (its parts: bench/README.md): greedy speculative generation against the target alone and
+``generate(use_mtp=True)``, on a self-distilled target; methods take turns input by input, so drift hits them alike."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import statistics
 import tempfile
@@ -263,53 +261,44 @@ class E2E:
     distill: dict | None = None
 
 
-@dataclass
 class Setup:
     """The target, our drafter per K and the prompts a run of the section (or its prebuild) works on."""
 
-    target: object
-    mtp: InklingMTP
-    prompts: torch.Tensor
-    drafters: dict[int, Drafter]  # K -> compiled (cfg.compiled) drafter, every batch bucket of cfg.batches
-    max_length: int
+    def __init__(self, checkpoint, cfg: E2EConfig, prompts: torch.Tensor | None):
+        torch.set_num_threads(cfg.threads)
+        self.cfg, self.target = cfg, load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
+        self.mtp = mtp = InklingMTP.from_pretrained(checkpoint, target=self.target)
+        ks = tuple(k for k in cfg.ks if k <= mtp.config.num_depths)
+        if not ks:
+            raise ValueError(f"none of K = {cfg.ks} fits the checkpoint's {mtp.config.num_depths} MTP depth(s)")
+        count = max(cfg.prompts, PADDED_PROMPTS if cfg.batches else 0)
+        prompts = torch.randint(3, mtp.config.logits_vocab_size, (count, 8),
+                                generator=torch.Generator().manual_seed(1000)) if prompts is None else prompts[:count]
+        if len(prompts) < count:
+            raise ValueError(f"{count} prompts needed, {len(prompts)} given")
+        self.prompts = prompts
+        self.drafters = {k: self.drafter(k, cfg.compiled) for k in ks}  # every batch bucket of cfg.batches
 
-    def ours(self, d: Drafter, lockstep=False, records=None, *, new_tokens: int):
+    def drafter(self, k: int, compile: bool) -> Drafter:
+        buckets, max_length = (1, *self.cfg.batches), self.prompts.shape[1] + self.cfg.new_tokens + 8
+        return Drafter(self.mtp, max(buckets), max_length, num_speculative_tokens=k, compile=compile,
+                       batch_buckets=buckets, compile_options=compile_options(passes=True, fresh=False) if compile
+                       else None)
+
+    def ours(self, d: Drafter, lockstep=False, records=None, new_tokens: int | None = None):
         def run(ids, mask=None):
             with timed_rollback(records) if records is not None else contextlib.nullcontext():
-                out = speculative.speculative_generate(self.target, d, ids, mask, max_new_tokens=new_tokens,
-                                                       lockstep=lockstep)
+                out = speculative.speculative_generate(self.target, d, ids, mask, lockstep=lockstep,
+                                                       max_new_tokens=new_tokens or self.cfg.new_tokens)
             return out.sequences, out
         return run
-
-
-def setup(checkpoint, cfg: E2EConfig, prompts: torch.Tensor | None) -> Setup:
-    torch.set_num_threads(cfg.threads)
-    target = load_hf_target(checkpoint, dtype=torch.float32).requires_grad_(False)
-    mtp = InklingMTP.from_pretrained(checkpoint, target=target)
-    ks = tuple(k for k in cfg.ks if k <= mtp.config.num_depths)
-    if not ks:
-        raise ValueError(f"none of K = {cfg.ks} fits the checkpoint's {mtp.config.num_depths} MTP depth(s)")
-    count = max(cfg.prompts, PADDED_PROMPTS if cfg.batches else 0)
-    prompts = torch.randint(3, mtp.config.logits_vocab_size, (count, 8),
-                            generator=torch.Generator().manual_seed(1000)) if prompts is None else prompts[:count]
-    if len(prompts) < count:
-        raise ValueError(f"{count} prompts needed, {len(prompts)} given")
-    max_length = prompts.shape[1] + cfg.new_tokens + 8
-    drafters = {k: drafter(mtp, cfg, k, max_length, cfg.compiled) for k in ks}
-    return Setup(target, mtp, prompts, drafters, max_length)
-
-
-def drafter(mtp: InklingMTP, cfg: E2EConfig, k: int, max_length: int, compile: bool) -> Drafter:
-    return Drafter(mtp, max((1, *cfg.batches)), max_length, num_speculative_tokens=k, compile=compile,
-                   batch_buckets=(1, *cfg.batches),
-                   compile_options=compile_options(passes=True, fresh=False) if compile else None)
 
 
 def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, target_label: str = "",
             distill_metrics: dict | None = None) -> E2E:
     """Every figure of the section on ``checkpoint`` (a distilled raw-layout directory), CPU fp32."""
-    up = setup(checkpoint, cfg, prompts)
-    target, mtp, prompts, by_k, max_length = up.target, up.mtp, up.prompts, up.drafters, up.max_length
+    up = Setup(checkpoint, cfg, prompts)
+    target, prompts, by_k, ours = up.target, up.prompts, up.drafters, up.ours
     text, new = target.config.get_text_config(), cfg.new_tokens
     gconfig, gconfig_mtp = (greedy_generation_config(target, new) for _ in range(2))
     gconfig_mtp.use_mtp = True
@@ -331,11 +320,10 @@ def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, 
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         return torch.cat(out, dim=1), None
 
-    ours = functools.partial(up.ours, new_tokens=new)
     kind = "compiled" if cfg.compiled else "eager"
     drafters = {f"ours_{kind}_k{k}": d for k, d in by_k.items()}
     if cfg.eager:
-        drafters.setdefault("ours_eager_k1", drafter(mtp, cfg, 1, max_length, False))
+        drafters.setdefault("ours_eager_k1", up.drafter(1, False))
     methods = {"target": generate(gconfig), **({"target_loop": loop} if cfg.target_loop else {}),
                **({"hf_mtp": generate(gconfig_mtp, count_hf_matches)} if cfg.hf_mtp else {}),
                **{n: ours(d) for n, d in drafters.items()}}
@@ -425,9 +413,7 @@ def config(s: Settings) -> E2EConfig:
 
 
 def measure(ctx: Context) -> E2E:
-    # every K in the batches too (the K sweep's batch-4 figures); a K > 1 packages its round per batch bucket on a
-    # machine's first run (a minute or two each; bench.harness.Prebuild does it ahead), later runs load them
-    ctx.prebuilt()  # the text target and the K > 1 drafters' packaged rounds
+    ctx.prebuilt()  # what prebuild() below builds: minutes on a machine's first run, a load on later ones
     target = ctx.e2e_target()
     return run_e2e(target.checkpoint, config(ctx.settings), prompts=target.prompts, target_label=target.label,
                    distill_metrics=target.metrics)
@@ -437,7 +423,7 @@ def prebuild(s: Settings) -> None:
     """The section's one-time builds, for :class:`bench.harness.Prebuild`: the text target, then the packaged round
     of each K > 1 drafter's batch bucket the round cache lacks (a first generation at that batch builds it)."""
     target, cfg = build_target(s), config(s)
-    up = setup(target.checkpoint, cfg, target.prompts)
+    up = Setup(target.checkpoint, cfg, target.prompts)
     with torch.no_grad():
         for k, d in reversed(up.drafters.items()):  # the largest K first: its package is the longest build
             for batch in round_cache.missing(d):

@@ -1,12 +1,11 @@
-"""What every section shares: progress lines, timing (``torch.utils.benchmark`` on CPU, ``triton.testing.do_bench``
-on CUDA), the one subprocess probe, the run's second process (one-time builds ahead), JSON records and the table
-formatter."""
+"""What every section shares (listed in bench/README.md), so that each measures, records and prints alike."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -170,10 +169,7 @@ def keep_compiles(cache_dir: str) -> None:
     for path in source.rglob("*"):
         copy = target / path.relative_to(source)
         if path.is_file() and not path.is_symlink() and not copy.exists():
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            temporary = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
-            shutil.copy2(path, temporary)
-            os.replace(temporary, copy)
+            write_files_atomically(copy.parent, {copy.name: functools.partial(shutil.copy2, path)})
 
 
 class Prebuild:
@@ -211,9 +207,9 @@ class Prebuild:
             print(PROBE_PREFIX + json.dumps({name: found}), flush=True)
 
     def wait(self, section: str) -> None:
-        """Until the second process has reported ``section`` (or ended: the section then builds what it needs
-        itself); the seconds waited count as one-time builds where it built something."""
-        if section in self.waited:
+        """Until the second process has reported ``section``, one it builds ahead (or ended: the section then
+        builds what it needs itself); the seconds waited count as one-time builds where it built something."""
+        if section in self.waited or section not in self.sections:
             return
         self.waited.add(section)
         start = time.perf_counter()
@@ -232,15 +228,15 @@ class Prebuild:
     def close(self) -> None:
         """Let it finish when every section was reported (it is exiting), else stop it: TERM first, so that a build
         it leaves half done is removed by its own cleanups (they are in temporary directories)."""
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=60 if set(self.sections) <= set(self.done) else 0)
-        except subprocess.TimeoutExpired:
+        if self.process.returncode is None:
             self.process.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process.returncode is None:
+            self.process.kill()
+            self.process.wait()
         self.process.stdout.close()
 
 

@@ -209,8 +209,7 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
         (os.cpu_count() or 1) > s.threads else None
     try:
         for section in selected:
-            prebuilt = functools.partial(second.wait, section.name) if second and section.name in ahead else \
-                (lambda: None)
+            prebuilt = functools.partial(second.wait, section.name) if second else (lambda: None)
             for preset in s.configs if section.per_config else (None,):
                 if s.runs(section.name, preset):
                     _section(s, section, preset, result, target, save, prebuilt)
