@@ -234,6 +234,14 @@ def test_the_cache_is_off_by_default_for_k_1_and_by_the_switch(model, monkeypatc
         Drafter(model, 1, MAX_LENGTH, cached_rounds="yes")
 
 
+def test_missing_refuses_what_is_not_a_drafter_or_a_bool(model):
+    """Not an AttributeError from inside, nor "yes" taken as sampled=True."""
+    with pytest.raises(ValueError, match=r"drafter must be a Drafter, got str"):
+        round_cache.missing("x")
+    with pytest.raises(ValueError, match=r"sampled must be a bool, got 'yes'"):
+        round_cache.missing(cached_drafter(model), sampled="yes")
+
+
 def test_missing_names_the_batch_buckets_a_first_call_would_build(model, built, tmp_path, monkeypatch):
     assert round_cache.missing(cached_drafter(model)) == []  # built's entry serves batch bucket 1, greedy
     assert round_cache.missing(cached_drafter(model), sampled=True) == [1]
