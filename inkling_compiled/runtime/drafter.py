@@ -87,12 +87,27 @@ def _compile_options(compile_options, on_cuda: bool, model_options: dict) -> dic
     inductor = options.get("options") or {}
     if not isinstance(inductor, dict):
         raise ValueError(f"compile_options['options'] must be a dict of Inductor options, got {inductor!r}")
+    if options.get("mode") is not None and options.get("backend", "inductor") == "inductor":
+        inductor = {**_mode_options(options.pop("mode"), given=bool(inductor)), **inductor}
     inductor = {**model_options, **inductor}
     if not on_cuda:  # a C++ wrapper around the CPU kernels: ~30 us less per call than the Python wrapper
         inductor = {"cpp_wrapper": True, **CPU_CODEGEN_WORKAROUNDS, **inductor}
     if inductor:
         options["options"] = inductor
     return options
+
+
+def _mode_options(mode, given: bool) -> dict:
+    """torch.compile's ``mode`` as the Inductor options it stands for (what Inductor applies it as): torch.compile
+    takes a mode or options, not both, and the step always has options on CPU (and for a quantized model)."""
+    if given:
+        raise ValueError("compile_options: give 'mode' or 'options', not both (torch.compile takes one of them)")
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if not isinstance(mode, str) or mode not in modes:
+        raise ValueError(f"compile_options['mode'] must be one of {sorted(modes)}, got {mode!r}")
+    return dict(modes[mode])
 
 
 def decode_windows(num_speculative_tokens: int) -> tuple[int, int]:

@@ -152,6 +152,9 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
     (dict(compile_options="max-autotune"), "compile_options must be a dict of torch.compile arguments"),
     (dict(compile_options={"bogus": 1}), r"compile_options \['bogus'\] are not torch.compile arguments"),
     (dict(compile_options={"options": 3}), r"compile_options\['options'\] must be a dict of Inductor options"),
+    (dict(compile_options={"mode": "fastest"}), r"compile_options\['mode'\] must be one of \['default', .* 'fastest'"),
+    (dict(compile_options={"mode": "max-autotune", "options": {"max_autotune": False}}),
+     "compile_options: give 'mode' or 'options', not both"),
     (dict(compile="yes"), "compile must be a bool, got 'yes'"),
     (dict(cuda_graphs=1), "cuda_graphs must be a bool or None, got 1"),
 ])
@@ -172,6 +175,16 @@ def test_drafter_buckets_are_deduplicated_and_caller_compile_options_win():
                       num_speculative_tokens=1)
     assert drafter.batch_buckets == (1, 2, 4, 6) and drafter.graph_rows == (1, 2) and drafter.graph_batch_limit == 16
     assert not drafter.uses_graph(1, 1)  # no CUDA here
+
+
+def test_a_compile_mode_is_applied_as_its_inductor_options_beside_ours():
+    """torch.compile refuses a mode together with options, and the step always has options on CPU (the C++ wrapper):
+    the mode was accepted here and then failed the first draft inside torch."""
+    drafter = Drafter(random_mtp(), 1, 64, num_speculative_tokens=1,
+                      compile_options={"mode": "max-autotune-no-cudagraphs"})
+    assert "mode" not in drafter._compile_options
+    assert drafter._inductor_options["max_autotune"] and drafter._inductor_options["cpp_wrapper"]
+    assert callable(drafter._depth_step)  # torch.compile took the options (it checks them here, compiling nothing)
 
 
 @pytest.mark.parametrize("kwargs,match", [
