@@ -182,7 +182,8 @@ def add_media(args, target, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torc
     patch / frame) after its first two real tokens, and the random inputs ``generate`` takes for them."""
     if not (args.image or args.audio):
         return ids, mask, {}
-    config, gen = target.config, torch.Generator().manual_seed(args.seed + 1)
+    # the seed after --seed's, wrapped as torch wraps seeds (modulo 2**64): --seed 2**64 - 1 overflowed here
+    config, gen = target.config, torch.Generator().manual_seed((args.seed + 1) % 2**64)
     media, inserted = {}, []
     if args.image:
         vision = config.vision_config
