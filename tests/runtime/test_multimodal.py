@@ -175,3 +175,27 @@ def test_cli_decodes_an_image_and_audio_prompt(capsys):
                          "--max-new-tokens", "4", "--ignore-eos", "--image", "3", "--audio", "2"])
     printed = capsys.readouterr().out
     assert code == 0 and "greedy generate() match: True" in printed and "image patches 3, audio frames 2" in printed
+
+
+@pytest.mark.parametrize("inputs, match", [
+    (dict(pixel_values=torch.randn(3, *PATCH).double()), r"pixel_values must be a torch.float32 tensor on cpu of "
+                                                         r"shape \[patches, 2, 2, 2, 3\].*got a torch.float64"),
+    (dict(pixel_values=torch.randn(3, 2, 4, 2, 3)), r"pixel_values must be .* got .* of shape \[3, 2, 4, 2, 3\]"),
+    (dict(pixel_values=[1.0]), r"pixel_values must be .* got list"),
+    (dict(pixel_values=torch.full((3, *PATCH), float("nan"))), "pixel_values hold a NaN or inf"),
+    (dict(audio_input_ids=torch.full((1, 3, 4), 8)), r"audio_input_ids hold id 8, outside the codebook \[0, 8\)"),
+    (dict(audio_input_ids=torch.zeros(1, 3, 4)), "audio_input_ids must be an integer tensor, got torch.float32"),
+    (dict(audio_input_ids=torch.zeros(1, 3, 5, dtype=torch.long)), r"shape \[audios, frames, 4\]"),
+    (dict(audio_input_ids=torch.zeros(1, 3, 4, dtype=torch.long), audio_input_ids_mask=torch.ones(1, 2)),
+     r"audio_input_ids_mask must be a 0 / 1 tensor of shape \[1, 3\]"),
+    (dict(audio_input_ids_mask=torch.ones(1, 3)), "audio_input_ids_mask was given without audio_input_ids"),
+    (dict(mm_encoder_outputs="image"), "mm_encoder_outputs must be a dict"),
+])
+def test_media_the_towers_cannot_take_are_refused_by_name(tiny_mm, inputs, match):
+    """Each was an error from inside the towers (an index error; a CUDA device assert), garbage tokens (a NaN
+    patch), or silently ignored (a mask alone)."""
+    target, mtp = tiny_mm
+    ids, mask, _ = image_prompt(0)
+    drafter = Drafter(mtp, 1, 64, compile=False)
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(target, drafter, ids, mask, max_new_tokens=2, **inputs)
