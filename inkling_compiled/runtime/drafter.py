@@ -510,7 +510,10 @@ class Drafter:
         directory = arguments.path("directory", directory)
         batch_sizes = self.batch_buckets if batch_sizes is None else arguments.size_tuple("batch_sizes", batch_sizes)
         rows = self.graph_rows if rows is None else arguments.size_tuple("rows", rows)
-        if batch_sizes and batch_sizes[-1] > self.max_batch_size:
+        for name, sizes in (("batch_sizes", batch_sizes), ("rows", rows)):
+            if not sizes:  # a package of no bucket, which load_compiled would take and never use
+                raise ValueError(f"save_compiled: {name} must name at least one size, got ()")
+        if batch_sizes[-1] > self.max_batch_size:
             raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
         arguments.check_bool("sampled", sampled)
         keys = sorted({(*self.bucket(b, r), s) for b in batch_sizes for r in rows for s in {False, sampled}})
