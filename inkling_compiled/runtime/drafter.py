@@ -479,7 +479,9 @@ class Drafter:
 
     def bucket(self, batch: int, rows: int) -> tuple[int, int]:
         """The padded (batch, window rows) a call of ``rows`` new rows runs as (the window has at least K rows)."""
-        padded_batch = next((b for b in self.batch_buckets if b >= batch), batch)
+        batch = arguments.integer("batch", batch, minimum=1, maximum=self.max_batch_size)
+        rows = arguments.positive_int("rows", rows)
+        padded_batch = next(b for b in self.batch_buckets if b >= batch)  # the last is max_batch_size
         window = max(rows, self.num_speculative_tokens)
         padded_rows = window if window in self.graph_rows else 1 << (window - 1).bit_length()
         return padded_batch, padded_rows

@@ -199,6 +199,20 @@ def test_capture_arguments_are_checked(kwargs, match):
     assert not drafter._shapes  # refused before anything ran
 
 
+@pytest.mark.parametrize("batch, rows, match", [(3, 1, r"batch must be an int in \[1, 2\], got 3"),
+                                               (0, 1, r"batch must be an int in \[1, 2\], got 0"),
+                                               (1, 0, "rows must be an int >= 1, got 0"),
+                                               (1.0, 1, r"batch must be an int in \[1, 2\], got 1.0")])
+def test_bucket_and_static_step_check_their_sizes(batch, rows, match):
+    """A batch past max_batch_size was a static step over buffers larger than the cache (a size-mismatch error from
+    inside torch when called); zero or negative sizes were silently the smallest bucket."""
+    drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
+    for method in (drafter.bucket, drafter.static_step, drafter.uses_graph):
+        with pytest.raises(ValueError, match=match):
+            method(batch, rows)
+    assert not drafter._shapes
+
+
 def test_draft_inputs_that_require_grad_leave_no_history():
     """A hidden straight from a target forward run with grad enabled: the static buffers stay inference state."""
     model = random_mtp()
