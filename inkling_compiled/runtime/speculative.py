@@ -154,6 +154,8 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     if not isinstance(drafter, DraftSource):
         raise arguments.ArgumentError(f"drafter must follow the DraftSource protocol (draft, max_batch_size, "
                                       f"max_length, num_speculative_tokens), got {type(drafter).__name__}")
+    for name in ("max_batch_size", "max_length", "num_speculative_tokens"):  # a drafter of the caller's own
+        arguments.positive_int(f"drafter.{name}", getattr(drafter, name))
     arguments.positive_int("max_new_tokens", max_new_tokens)
     arguments.temperature(temperature)
     arguments.check_bool("lockstep", lockstep)

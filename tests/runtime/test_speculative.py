@@ -465,6 +465,17 @@ def test_the_drafter_contract_is_checked(target):
         speculative_generate(target, OneDraftShape(120, max_batch_size=1, max_length=12), ids, max_new_tokens=3)
 
 
+@pytest.mark.parametrize("member, value", [("num_speculative_tokens", 0), ("num_speculative_tokens", "1"),
+                                           ("max_batch_size", "4"), ("max_length", None)])
+def test_a_drafters_sizes_are_checked_before_any_model_call(target, member, value):
+    """A K of 0 was a ZeroDivisionError after the whole loop had run; a size of another type, a TypeError."""
+    drafter = StandInDrafter(120)
+    setattr(drafter, member, value)
+    drafter.draft = lambda *args, **kwargs: pytest.fail("drafter called")
+    with pytest.raises(ValueError, match=f"drafter.{member} must be an int >= 1, got {value!r}"):
+        speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
+
+
 class BadDrafts(StandInDrafter):
     """Returns drafts (and probs) the target cannot take: an id past its vocabulary, or the wrong shape."""
 
