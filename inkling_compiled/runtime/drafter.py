@@ -449,10 +449,7 @@ class Drafter:
         batch = positions.shape[0]
         if batch > self.max_batch_size:
             raise ValueError(f"batch of {batch} sequences exceeds the drafter's max_batch_size {self.max_batch_size}")
-        cache = self.cache.depths[0].k
-        if (cache.dtype, cache.device) != (self.model.dtype, self.model.device):
-            raise ValueError(f"the model is now {self.model.dtype} on {self.model.device}, but this Drafter was built "
-                             f"for it as {cache.dtype} on {cache.device}: build a new Drafter after moving the model")
+        self.check_model_unchanged()
         self.model.check_inputs(input_ids, positions, hidden, self.cache, drafting=True)
         if inputs_embeds is not None and (not isinstance(inputs_embeds, torch.Tensor)
                                           or inputs_embeds.shape != hidden.shape
@@ -462,6 +459,14 @@ class Drafter:
                 if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
             raise ValueError(f"inputs_embeds must be a {self.model.dtype} tensor on {self.model.device} shaped like "
                              f"hidden {tuple(hidden.shape)}, got {got}")
+
+    def check_model_unchanged(self) -> None:
+        """ValueError when the model was converted (``.to``, ``.half``, ...) after this Drafter built its cache and
+        buffers for it: they would meet the new dtype or device inside the first kernel."""
+        cache = self.cache.depths[0].k
+        if (cache.dtype, cache.device) != (self.model.dtype, self.model.device):
+            raise ValueError(f"the model is now {self.model.dtype} on {self.model.device}, but this Drafter was built "
+                             f"for it as {cache.dtype} on {cache.device}: build a new Drafter after moving the model")
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took."""

@@ -177,6 +177,8 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
         raise ValueError(f"the drafter's model is on {draft_device}, the target on {target_device}")
     if isinstance(draft_model, InklingMTP):  # what the drafter would check on every call, checked once here
         draft_model.check_parameters()
+    if isinstance(drafter, Drafter):
+        drafter.check_model_unchanged()
     arguments.generator(generator, target_device)
     text = _text_config(target)
     eos = arguments.token_ids("eos_token_id", eos_token_id, text.vocab_size)
