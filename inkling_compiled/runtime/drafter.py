@@ -474,6 +474,7 @@ class Drafter:
         if batch_sizes and batch_sizes[-1] > self.max_batch_size:
             raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
         arguments.temperature(temperature)
+        self.check_model_unchanged()
         start = time.perf_counter()
         for batch in batch_sizes:
             for rows in self.graph_rows:
@@ -496,6 +497,7 @@ class Drafter:
         compiled graph alone, without ``draft``'s input copies and output handling (what a benchmark sets it
         against; the packaged round for a packaged bucket). The buffers hold the inputs of the last ``draft`` call of
         that shape."""
+        self.check_model_unchanged()
         shape = self._shape(batch, rows, False)
         return functools.partial(self._round_of(shape), *shape.args())
 
@@ -523,6 +525,7 @@ class Drafter:
         if batch_sizes[-1] > self.max_batch_size:
             raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
         arguments.check_bool("sampled", sampled)
+        self.check_model_unchanged()
         keys = sorted({(*self.bucket(b, r), s) for b in batch_sizes for r in rows for s in {False, sampled}})
         return packaged.save_rounds(self, directory, [_BucketBuffers(self, *key) for key in keys])
 

@@ -213,6 +213,17 @@ def test_bucket_and_static_step_check_their_sizes(batch, rows, match):
     assert not drafter._shapes
 
 
+def test_capture_static_step_and_save_refuse_a_model_converted_after_construction(tmp_path):
+    """capture and static_step met the old cache inside a kernel; save_compiled wrote a package of mixed dtypes."""
+    model = random_mtp()
+    drafter = Drafter(model, max_batch_size=1, max_length=16, compile=False, num_speculative_tokens=1)
+    model.to(torch.bfloat16)
+    for call in (drafter.capture, lambda: drafter.static_step(1, 1), lambda: drafter.save_compiled(tmp_path / "p")):
+        with pytest.raises(ValueError, match="the model is now torch.bfloat16 on cpu, but this Drafter was built"):
+            call()
+    assert not (tmp_path / "p").exists()
+
+
 def test_draft_inputs_that_require_grad_leave_no_history():
     """A hidden straight from a target forward run with grad enabled: the static buffers stay inference state."""
     model = random_mtp()
