@@ -28,6 +28,8 @@ from .config import CONFIG_FILE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROG = "python -m inkling_compiled.generate"
+# what torchrun sets in each process and --tp reads (the process group's env:// rendezvous, this rank's device)
+TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,9 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"--tp must be >= 1, got {args.tp}")
-    if args.tp > 1 and os.environ.get("WORLD_SIZE") != str(args.tp):
+    unset = [name for name in TORCHRUN_ENV if not os.environ.get(name)]
+    if args.tp > 1 and (os.environ.get("WORLD_SIZE") != str(args.tp) or unset):
         parser.error(f"--tp {args.tp} needs {args.tp} processes: launch with torchrun --nproc-per-node {args.tp} -m "
-                     f"inkling_compiled.generate --tp {args.tp} ... (WORLD_SIZE is {os.environ.get('WORLD_SIZE')})")
+                     f"inkling_compiled.generate --tp {args.tp} ... (WORLD_SIZE is {os.environ.get('WORLD_SIZE')}"
+                     f"{'; unset: ' + ', '.join(unset) if unset else ''})")
     for name in ("prompt_len", "batch", "max_new_tokens", "num_speculative_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
