@@ -243,7 +243,8 @@ def generate(args, mesh) -> int:
     say = print if mesh is None or mesh.get_rank() == 0 else (lambda *_: None)  # rank 0 speaks for all
     try:
         path, target, drafter = build(args, mesh)
-    except (ValueError, TypeError, OSError) as e:  # the library's refusals, and unreadable files: one line
+    except (ValueError, TypeError, OSError, MemoryError) as e:  # the library's refusals (a cache too large for
+        # --batch / --prompt-len / --max-new-tokens included) and unreadable files: one line
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"{PROG}: error: {first_line}", file=sys.stderr)
         return 2

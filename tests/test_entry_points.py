@@ -278,6 +278,14 @@ def test_cli_refuses_bad_numbers_before_loading(argv, name, capsys, no_loading):
     assert name in _cli_error(argv, capsys)
 
 
+@pytest.mark.parametrize("flag", ["--max-new-tokens", "--batch"])
+def test_cli_a_cache_too_large_is_one_line(flag, capsys):
+    """The drafter's MemoryError naming the sizes was a traceback."""
+    assert cli.main(["--no-compile", flag, str(10**11)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(f"{cli.PROG}: error: the MTP cache for batch_")
+
+
 def test_cli_media_take_every_seed_it_accepts(tiny_checkpoint):
     """The media's seed is --seed + 1: at the top of the accepted range that overflowed torch's seed."""
     target = load_hf_target(tiny_checkpoint)
