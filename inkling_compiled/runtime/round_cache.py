@@ -50,7 +50,7 @@ def cache_root() -> Path | None:
     value = os.environ.get(ENV_VAR, "").strip()
     if value.lower() in _OFF:
         return None
-    return Path(value) if value else Path.home() / ".cache" / "inkling_compiled" / "rounds"
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "inkling_compiled" / "rounds"  # a quoted ~
 
 
 def rows_range(drafter) -> tuple[int, int]:

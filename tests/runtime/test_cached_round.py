@@ -230,6 +230,8 @@ def test_the_cache_is_off_by_default_for_k_1_and_by_the_switch(model, monkeypatc
     assert not Drafter(model, 1, MAX_LENGTH, compile=False).cached_rounds
     monkeypatch.setenv(round_cache.ENV_VAR, "off")
     assert round_cache.cache_root() is None
+    monkeypatch.setenv(round_cache.ENV_VAR, "~/rounds")  # quoted, so no shell expanded it: not ./~/rounds
+    assert round_cache.cache_root() == Path.home() / "rounds"
     with pytest.raises(ValueError, match=r"cached_rounds must be a bool or None, got 'yes'"):
         Drafter(model, 1, MAX_LENGTH, cached_rounds="yes")
 
