@@ -9,6 +9,7 @@ shifted one ahead, to the drafter.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -17,6 +18,20 @@ from ..arguments import ArgumentError, integer_tensor
 
 # generate()'s keyword arguments that carry a prompt's image and audio inputs
 MULTIMODAL_KWARGS = ("pixel_values", "audio_input_ids", "audio_input_ids_mask", "mm_encoder_outputs")
+
+
+def check_drafter_takes_rows(drafter, media: dict) -> None:
+    """A multimodal prompt's rows reach ``drafter.draft`` as ``inputs_embeds``, which a text-only drafter may leave
+    out of its signature (``DraftSource``): refused by name before any model call, not a TypeError after the
+    target's prefill. ``media``: the :data:`MULTIMODAL_KWARGS` given."""
+    encoded = media.get("mm_encoder_outputs")
+    if (media.get("pixel_values") is None and media.get("audio_input_ids") is None
+            and not (isinstance(encoded, Mapping) and encoded.get("image") is not None)):
+        return
+    parameters = inspect.signature(drafter.draft).parameters.values()
+    if not any(p.name == "inputs_embeds" or p.kind is p.VAR_KEYWORD for p in parameters):
+        raise ArgumentError(f"an image or audio prompt needs a drafter whose draft takes inputs_embeds (the merged "
+                            f"rows, docs/model.md §7); {type(drafter).__name__}.draft does not")
 
 
 def merged_rows(target, input_ids: torch.Tensor, *, pixel_values=None, audio_input_ids=None,

@@ -17,7 +17,7 @@ from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
 from .drafter import Drafter, DraftResult, DraftSource
-from .multimodal import merged_rows
+from .multimodal import check_drafter_takes_rows, merged_rows
 from .target_cache import rollback_rows, select_rows
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
@@ -259,9 +259,11 @@ def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
     else:
         decoding = Decoding(greedy=False, draft_temperature=float(temperature),
                             scores=lambda context, logits, rows: temperature_top_p_scores(logits, temperature, top_p))
+    media = {"pixel_values": pixel_values, "audio_input_ids": audio_input_ids,
+             "audio_input_ids_mask": audio_input_ids_mask, "mm_encoder_outputs": mm_encoder_outputs}
+    check_drafter_takes_rows(drafter, media)
     with torch.no_grad():
-        rows = merged_rows(target, input_ids, pixel_values=pixel_values, audio_input_ids=audio_input_ids,
-                           audio_input_ids_mask=audio_input_ids_mask, mm_encoder_outputs=mm_encoder_outputs)
+        rows = merged_rows(target, input_ids, **media)
         return run_loop(target, drafter, input_ids, attention_mask, decoding, max_new_tokens=max_new_tokens, eos=eos,
                         pad_token_id=pad_token_id, generator=generator, lockstep=lockstep, rows=rows)
 

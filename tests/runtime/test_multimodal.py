@@ -15,6 +15,7 @@ from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
 from inkling_compiled.runtime.multimodal import merged_rows
 from inkling_compiled.testing import synthetic
+from tests.runtime.test_speculative import StandInDrafter
 
 IMAGE, IMAGE_BOS, AUDIO, AUDIO_BOS = 4, 5, 7, 6  # the synthetic checkpoints' special ids
 PATCH = (2, 2, 2, 3)  # one vision patch (temporal, height, width, channels): one merged row
@@ -199,3 +200,21 @@ def test_media_the_towers_cannot_take_are_refused_by_name(tiny_mm, inputs, match
     drafter = Drafter(mtp, 1, 64, compile=False)
     with pytest.raises(ValueError, match=match):
         speculative_generate(target, drafter, ids, mask, max_new_tokens=2, **inputs)
+
+
+def test_a_text_only_drafter_is_refused_for_an_image_prompt_before_any_model_call(tiny_mm):
+    """DraftSource lets a text-only drafter leave inputs_embeds out of draft(): with an image prompt that was a
+    TypeError from its draft call, after the towers and the target's prefill had run."""
+    target, _ = tiny_mm
+    ids, mask, pixels = image_prompt(0)
+    hook = target.register_forward_pre_hook(lambda *args: pytest.fail("the target ran"))
+    try:
+        for run in (lambda: speculative_generate(target, StandInDrafter(500), ids, mask, max_new_tokens=2,
+                                                 pixel_values=pixels),
+                    lambda: target.generate(ids, attention_mask=mask, pixel_values=pixels, max_new_tokens=2,
+                                            custom_generate=custom_generate, drafter=StandInDrafter(500))):
+            with pytest.raises(ValueError, match=r"an image or audio prompt needs a drafter whose draft takes "
+                                                 r"inputs_embeds .*; StandInDrafter.draft does not"):
+                run()
+    finally:
+        hook.remove()
