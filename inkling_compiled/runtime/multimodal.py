@@ -71,15 +71,15 @@ def _checked_media(target, pixel_values, audio_input_ids, audio_input_ids_mask):
     """(pixel_values, audio_input_ids as int64), or an ArgumentError naming the input whose type, shape, dtype,
     device or values the towers cannot take (they failed deep inside, or, for an id outside the codebook, with a
     device assert on CUDA; a NaN patch decoded garbage)."""
-    first = next(target.parameters())
-    config = target.config
+    config, embedding = target.config, target.model.get_input_embeddings().weight
     if pixel_values is not None:
         vision = config.vision_config
         patch = (vision.temporal_patch_size, vision.patch_size, vision.patch_size, vision.num_channels)
+        tower = next(target.model.vision_tower.parameters())  # its first projection's weight
         if (not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 5
-                or tuple(pixel_values.shape[1:]) != patch or pixel_values.dtype != first.dtype
-                or pixel_values.device != first.device):
-            raise ArgumentError(f"pixel_values must be a {first.dtype} tensor on {first.device} of shape [patches, "
+                or tuple(pixel_values.shape[1:]) != patch or pixel_values.dtype != tower.dtype
+                or pixel_values.device != tower.device):
+            raise ArgumentError(f"pixel_values must be a {tower.dtype} tensor on {tower.device} of shape [patches, "
                                 f"{', '.join(map(str, patch))}] (the target's vision patches), got "
                                 f"{_described(pixel_values)}")
         if not bool(pixel_values.isfinite().all()):
@@ -87,8 +87,8 @@ def _checked_media(target, pixel_values, audio_input_ids, audio_input_ids_mask):
     if audio_input_ids is not None:
         audio = config.audio_config
         audio_input_ids = integer_tensor("audio_input_ids", audio_input_ids, ndim=3)
-        if audio_input_ids.shape[-1] != audio.num_codebooks or audio_input_ids.device != first.device:
-            raise ArgumentError(f"audio_input_ids must be on {first.device} of shape [audios, frames, "
+        if audio_input_ids.shape[-1] != audio.num_codebooks or audio_input_ids.device != embedding.device:
+            raise ArgumentError(f"audio_input_ids must be on {embedding.device} of shape [audios, frames, "
                                 f"{audio.num_codebooks}] (the target's codebooks), got {_described(audio_input_ids)}")
         low, high = torch.stack(torch.aminmax(audio_input_ids)).tolist() if audio_input_ids.numel() else (0, 0)
         if low < 0 or high >= audio.codebook_size:

@@ -218,3 +218,13 @@ def test_a_text_only_drafter_is_refused_for_an_image_prompt_before_any_model_cal
                 run()
     finally:
         hook.remove()
+
+
+def test_a_bf16_targets_media_are_checked_against_its_towers():
+    """A bf16 target keeps some tensors in float32 (its short convolutions): the patches' dtype is the vision
+    tower's."""
+    target = synthetic.load_hf_target(synthetic.cached_checkpoint("tiny"), dtype=torch.bfloat16)
+    ids, _, pixels = image_prompt(0)
+    assert merged_rows(target, ids, pixel_values=pixels.bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="pixel_values must be a torch.bfloat16 tensor"):
+        merged_rows(target, ids, pixel_values=pixels)
