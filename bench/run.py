@@ -151,7 +151,7 @@ def _positive_ints(value: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {value!r}") from None
     if not numbers or min(numbers) < 1:
         raise argparse.ArgumentTypeError(f"must name one or more integers, each >= 1, got {value!r}")
-    return numbers
+    return tuple(dict.fromkeys(numbers))  # each once, in the order given (a repeat measured it twice)
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:

@@ -117,6 +117,7 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     assert not default.runs("quant", "tiny") and default.runs("quant", "small") and full.time_budget > 10
     assert run.parse_args(["--record"]).record == run.RESULTS_MD
     assert run.parse_args(["--skip", "e2e,peer"]).skip == {"e2e", "peer"}
+    assert run.parse_args(["--batch-sizes", "4,1,4"]).batch_sizes == (4, 1)  # a repeat was measured twice
 
 
 @pytest.mark.parametrize("argv, message", [
