@@ -84,6 +84,8 @@ def _compile_options(compile_options, on_cuda: bool, model_options: dict) -> dic
     if unknown:
         raise ValueError(f"compile_options {unknown} are not torch.compile arguments (those are {sorted(accepted)})")
     options = {"fullgraph": True, "dynamic": False, **compile_options}
+    arguments.check_bool("compile_options['fullgraph']", options["fullgraph"])  # torch.compile checks them only
+    arguments.check_bool("compile_options['dynamic']", options["dynamic"], optional=True)  # at the first draft
     inductor = options.get("options") or {}
     if not isinstance(inductor, dict):
         raise ValueError(f"compile_options['options'] must be a dict of Inductor options, got {inductor!r}")
