@@ -8,6 +8,7 @@ boundary trusts what it is given. The model's own tensor checks (shapes, ids aga
 
 from __future__ import annotations
 
+import argparse
 import math
 import operator
 import os
@@ -63,6 +64,17 @@ def _index(value) -> int | None:
 def positive_int(name: str, value) -> int:
     """``value`` as an int >= 1 (a bool or a float is not a count)."""
     return integer(name, value, minimum=1)
+
+
+def positive_int_option(value: str) -> int:
+    """An argparse type: an int >= 1 (argparse prints "argument --NAME: " before the message)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value!r}")
+    return number
 
 
 def _bounds(minimum: int | None, maximum: int | None) -> str:

@@ -387,7 +387,7 @@ def main(argv=None) -> int:
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--hard-labels", dest="soft", action="store_false",
                         help="train on the greedy tokens instead of the target's next-token distribution")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=arguments.positive_int_option, default=None, help="torch intra-op threads")
     parser.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
     args = parser.parse_args(argv)
     params = {name: getattr(args, name) for name in DEFAULTS}
@@ -395,8 +395,6 @@ def main(argv=None) -> int:
         _check_arguments(params)
     except arguments.ArgumentError as e:
         parser.error(f"--{str(e).replace('_', '-')}")  # "--steps must be an int >= 1, got -1"
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpoint = Path(args.checkpoint) if args.checkpoint else cached_checkpoint(args.config)

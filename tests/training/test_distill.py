@@ -123,7 +123,9 @@ def test_distill_arguments_are_checked_before_anything_runs(tiny_checkpoint, tmp
     assert not (tmp_path / "out").exists()
 
 
-def test_distill_command_line_names_a_bad_option(capsys):
+@pytest.mark.parametrize("argv, message", [(["--eval-sequences", "0"], "--eval-sequences must be an int >= 1, got 0"),
+                                           (["--threads", "-1"], "argument --threads: must be an int >= 1, got '-1'")])
+def test_distill_command_line_names_a_bad_option(capsys, argv, message):
     with pytest.raises(SystemExit):
-        D.main(["--eval-sequences", "0"])
-    assert "error: --eval-sequences must be an int >= 1, got 0" in capsys.readouterr().err
+        D.main(argv)
+    assert message in capsys.readouterr().err
