@@ -10,6 +10,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
@@ -24,6 +25,7 @@ import torch
 import transformers
 
 from inkling_compiled.runtime import round_cache
+from inkling_compiled.testing.synthetic import PRESETS
 
 from . import compile_time, e2e, multimodal, packaged, plots, probe_main, quant, report, startup, step, tp
 from .harness import ONE_TIME, OPT_IN, Context, Prebuild, Settings, error_text, plain, progress, write_json
@@ -101,6 +103,47 @@ def _names(known) -> Callable[[str], frozenset[str]]:
     return names
 
 
+def _number(kind: type, minimum: float, strict: bool = False) -> Callable[[str], int | float]:
+    """An argparse type: one finite ``kind`` (int or float) >= ``minimum`` (> it with ``strict``)."""
+    bound = f"{'>' if strict else '>='} {minimum:g}"
+
+    def number(value: str) -> int | float:
+        try:
+            x = kind(value)
+        except ValueError:
+            x = None
+        if x is None or not math.isfinite(x) or x < minimum or strict and x == minimum:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'} {bound}, "
+                                             f"got {value!r}")
+        return x
+    return number
+
+
+def _presets(value: str) -> tuple[str, ...]:
+    """One or more synthetic presets, in the order given (the order the per-config sections run them)."""
+    if not _items(value):
+        raise argparse.ArgumentTypeError(f"must name one or more presets ({', '.join(PRESETS)}), got {value!r}")
+    _names(list(PRESETS))(value)
+    return tuple(dict.fromkeys(_items(value)))
+
+
+def _device(value: str) -> str:
+    """cpu or cuda[:N] (what the sections compare against), refused when it does not parse."""
+    try:
+        kind = torch.device(value).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda (cuda:N), got {value!r}")
+    return "cpu" if kind == "cpu" else value
+
+
+def _directory(value: str) -> Path:
+    if not Path(value).is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a directory")
+    return Path(value)
+
+
 def _positive_ints(value: str) -> tuple[int, ...]:
     try:
         numbers = tuple(int(x) for x in _items(value))
@@ -108,11 +151,12 @@ def _positive_ints(value: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {value!r}") from None
     if not numbers or min(numbers) < 1:
         raise argparse.ArgumentTypeError(f"must name one or more integers, each >= 1, got {value!r}")
-    return numbers
+    return tuple(dict.fromkeys(numbers))  # each once, in the order given (a repeat measured it twice)
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     names, ints = [s.name for s in SECTIONS], _positive_ints
+    count, seconds = _number(int, 1), _number(float, 0, strict=True)
     p.add_argument("--full", action="store_true", help="every section and part, with longer timings (tens of "
                    "minutes on 2 cores; default: the headline figures in under 2 once a first run built its rounds)")
     p.add_argument("--quick", action="store_true", help="few iterations everywhere (a smoke test; rough numbers)")
@@ -123,31 +167,32 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--with", dest="with_", type=_names(list(OPT_IN)), default="", metavar="SECTIONS",
                    help="opt-in sections to run: " + "; ".join(f"{n} (off for {', '.join(sorted(v))})"
                                                              for n, v in OPT_IN.items()))
-    p.add_argument("--config", dest="configs", type=_items, default="tiny",
+    p.add_argument("--config", dest="configs", type=_presets, default="tiny",
                    help="synthetic preset(s) for the step sections: tiny, small, full")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="default float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--batch-sizes", type=ints, default="1", help="comma-separated batch sizes of the latency section")
-    p.add_argument("--context", type=int, default=64, help="rows prefilled before the timed step (the draft cache "
+    p.add_argument("--context", type=count, default=64, help="rows prefilled before the timed step (the draft cache "
                    "holds 64 more)")
     p.add_argument("--weights", choices=("checkpoint", "random"),
                    help="checkpoint (shared by both libraries; tiny/small default) or random (full default)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default 1)")
-    p.add_argument("--time-budget", type=float, help="seconds of timing per latency run")
-    p.add_argument("--recompile-steps", type=int, help="steps at moving positions in the compile probe")
-    p.add_argument("--probe-timeout", type=float, default=600.0, help="seconds before a fresh-process probe is cut")
-    p.add_argument("--e2e-prompts", type=int, help="prompts per end-to-end method")
-    p.add_argument("--e2e-tokens", type=int, help="new tokens per prompt")
+    p.add_argument("--threads", type=count, help="torch intra-op threads on CPU (default 1)")
+    p.add_argument("--time-budget", type=seconds, help="seconds of timing per latency run")
+    p.add_argument("--recompile-steps", type=count, help="steps at moving positions in the compile probe")
+    p.add_argument("--probe-timeout", type=seconds, default=600.0, help="seconds before a fresh-process probe is cut")
+    p.add_argument("--e2e-prompts", type=count, help="prompts per end-to-end method")
+    p.add_argument("--e2e-tokens", type=count, help="new tokens per prompt")
     p.add_argument("--e2e-target", choices=("text", "synthetic"), default="text",
                    help="text: the text target, held-out prompts; synthetic: the self-distilled tiny8, random prompts")
     p.add_argument("--e2e-ks", type=ints, default="1,8", help="K values of the e2e section's compiled drafters")
-    p.add_argument("--e2e-checkpoint", type=Path, metavar="DIR", help="a distilled raw-layout checkpoint for the "
+    p.add_argument("--e2e-checkpoint", type=_directory, metavar="DIR", help="a distilled raw-layout checkpoint for the "
                    "end-to-end sections instead of building one here")
-    p.add_argument("--distill-steps", type=int, help="self-distillation steps of the synthetic target")
+    p.add_argument("--distill-steps", type=count, help="self-distillation steps of the synthetic target")
     p.add_argument("--ks", type=ints, default="1,2,4,8", help="K values of the K sweep (beyond the target's depths: "
                    "left out)")
-    p.add_argument("--k-seconds", type=float, help="seconds of draft-round timing per K and window")
+    p.add_argument("--k-seconds", type=_number(float, 0), help="seconds of draft-round timing per K and window "
+                   "(0: none)")
     p.add_argument("--tp-world-sizes", type=ints, default="1,2", help="gloo ranks of the tp section")
     p.add_argument("--json", dest="json_path", type=Path, help="where the JSON goes (default: bench/out/)")
     p.add_argument("--record", nargs="?", const=RESULTS_MD, type=Path, metavar="FILE",
@@ -160,6 +205,10 @@ def parse_args(argv=None) -> Settings:
     s = p.parse_args(argv, namespace=Settings())
     if (s.with_ | s.only) & s.skip:
         p.error(f"section(s) both skipped and asked for with --with / --only: {sorted((s.with_ | s.only) & s.skip)}")
+    if s.record is not None and (s.record.is_dir() or not s.record.parent.is_dir()):
+        p.error(f"argument --record: {str(s.record)!r} must be a file in an existing directory")
+    if s.json_path is not None and s.json_path.is_dir():
+        p.error(f"argument --json: {str(s.json_path)!r} is a directory; name the file")
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False")
     level = 0 if s.quick else 2 if s.full else 1
@@ -199,7 +248,11 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
                       one_time_s=dict(ONE_TIME.seconds), one_time_beside_s=ONE_TIME.beside)
         write_json(s.json_path, result)
 
-    save()
+    try:  # the first write, before anything is measured
+        save()
+    except OSError as e:
+        raise SystemExit(f"python -m bench run: error: argument --json: cannot write {s.json_path}: "
+                         f"{e.strerror or e}") from None
     progress(f"results go to {s.json_path} (rewritten after every section)")
     target = functools.cache(lambda: e2e.build_target(s))
     selected = [section for section in SECTIONS if _selected(s, section)]

@@ -8,6 +8,7 @@ boundary trusts what it is given. The model's own tensor checks (shapes, ids aga
 
 from __future__ import annotations
 
+import argparse
 import math
 import operator
 import os
@@ -42,17 +43,38 @@ def check_bool(name: str, value, *, optional: bool = False) -> None:
 
 def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as an int (anything with ``__index__`` but a bool), within [minimum, maximum] where given."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise ArgumentError(f"{name} must be an int{_bounds(minimum, maximum)}, got {value!r}")
-    number = operator.index(value)
-    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+    number = _index(value)
+    if (number is None or (minimum is not None and number < minimum)
+            or (maximum is not None and number > maximum)):
         raise ArgumentError(f"{name} must be an int{_bounds(minimum, maximum)}, got {value!r}")
     return number
+
+
+def _index(value) -> int | None:
+    """``operator.index(value)`` for anything but a bool; None where it is no integer (a float tensor or a
+    NumPy array of more than one element has ``__index__`` but raises in it)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def positive_int(name: str, value) -> int:
     """``value`` as an int >= 1 (a bool or a float is not a count)."""
     return integer(name, value, minimum=1)
+
+
+def positive_int_option(value: str) -> int:
+    """An argparse type: an int >= 1 (argparse prints "argument --NAME: " before the message)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value!r}")
+    return number
 
 
 def _bounds(minimum: int | None, maximum: int | None) -> str:
@@ -72,10 +94,10 @@ def token_id(name: str, value, vocab: int, why: str = "") -> int:
     """``value`` as a token id in [0, vocab): an int (anything with ``__index__`` but a bool: a NumPy integer, a
     0-d integer tensor)."""
     tensor_ok = not isinstance(value, torch.Tensor) or value.dim() == 0 and _is_integer_dtype(value.dtype)
-    if (not tensor_ok or isinstance(value, bool) or not hasattr(type(value), "__index__")
-            or not 0 <= operator.index(value) < vocab):
+    number = _index(value) if tensor_ok else None
+    if number is None or not 0 <= number < vocab:
         raise ArgumentError(f"{name} must be a token id in [0, {vocab}){why}, got {value!r}")
-    return operator.index(value)
+    return number
 
 
 def token_ids(name: str, value, vocab: int) -> list[int]:

@@ -28,6 +28,8 @@ from .config import CONFIG_FILE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROG = "python -m inkling_compiled.generate"
+# what torchrun sets in each process and --tp reads (the process group's env:// rendezvous, this rank's device)
+TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,9 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"--tp must be >= 1, got {args.tp}")
-    if args.tp > 1 and os.environ.get("WORLD_SIZE") != str(args.tp):
+    unset = [name for name in TORCHRUN_ENV if not os.environ.get(name)]
+    if args.tp > 1 and (os.environ.get("WORLD_SIZE") != str(args.tp) or unset):
         parser.error(f"--tp {args.tp} needs {args.tp} processes: launch with torchrun --nproc-per-node {args.tp} -m "
-                     f"inkling_compiled.generate --tp {args.tp} ... (WORLD_SIZE is {os.environ.get('WORLD_SIZE')})")
+                     f"inkling_compiled.generate --tp {args.tp} ... (WORLD_SIZE is {os.environ.get('WORLD_SIZE')}"
+                     f"{'; unset: ' + ', '.join(unset) if unset else ''})")
     for name in ("prompt_len", "batch", "max_new_tokens", "num_speculative_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -182,7 +186,8 @@ def add_media(args, target, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torc
     patch / frame) after its first two real tokens, and the random inputs ``generate`` takes for them."""
     if not (args.image or args.audio):
         return ids, mask, {}
-    config, gen = target.config, torch.Generator().manual_seed(args.seed + 1)
+    # the seed after --seed's, wrapped as torch wraps seeds (modulo 2**64): --seed 2**64 - 1 overflowed here
+    config, gen = target.config, torch.Generator().manual_seed((args.seed + 1) % 2**64)
     media, inserted = {}, []
     if args.image:
         vision = config.vision_config
@@ -238,7 +243,8 @@ def generate(args, mesh) -> int:
     say = print if mesh is None or mesh.get_rank() == 0 else (lambda *_: None)  # rank 0 speaks for all
     try:
         path, target, drafter = build(args, mesh)
-    except (ValueError, TypeError, OSError) as e:  # the library's refusals, and unreadable files: one line
+    except (ValueError, TypeError, OSError, MemoryError) as e:  # the library's refusals (a cache too large for
+        # --batch / --prompt-len / --max-new-tokens included) and unreadable files: one line
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"{PROG}: error: {first_line}", file=sys.stderr)
         return 2

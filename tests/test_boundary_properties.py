@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -120,3 +121,13 @@ def test_every_scalar_of_the_loop_is_accepted_or_refused_by_name(target, monkeyp
         assert re.match(rf"^(each of )?{name} must be", str(e)), str(e)
         return
     pytest.fail(f"{name}={value!r} neither accepted nor refused")
+
+
+@pytest.mark.parametrize("name", ["max_new_tokens", "eos_token_id", "pad_token_id"])
+@pytest.mark.parametrize("value", [torch.tensor(3.0), torch.tensor([[1, 2]]), np.array([1, 2]), np.array(2.5)],
+                         ids=repr)
+def test_array_likes_that_are_no_integer_are_refused_by_name(target, monkeypatch, name, value):
+    """They have ``__index__`` and raise in it: a TypeError that named no argument."""
+    monkeypatch.setattr(speculative, "_target_step", lambda *args, **kwargs: pytest.fail("target called"))
+    with pytest.raises(ValueError, match=rf"^(each of )?{name} must be"):
+        speculative_generate(target, StandInDrafter(128), torch.randint(1, 100, (1, 4)), **{**SCALARS, name: value})

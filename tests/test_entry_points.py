@@ -278,6 +278,26 @@ def test_cli_refuses_bad_numbers_before_loading(argv, name, capsys, no_loading):
     assert name in _cli_error(argv, capsys)
 
 
+@pytest.mark.parametrize("flag", ["--max-new-tokens", "--batch"])
+def test_cli_a_cache_too_large_is_one_line(flag, capsys):
+    """The drafter's MemoryError naming the sizes was a traceback."""
+    assert cli.main(["--no-compile", flag, str(10**11)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(f"{cli.PROG}: error: the MTP cache for batch_")
+
+
+def test_cli_media_take_every_seed_it_accepts(tiny_checkpoint):
+    """The media's seed is --seed + 1: at the top of the accepted range that overflowed torch's seed."""
+    target = load_hf_target(tiny_checkpoint)
+
+    def media(seed: int) -> dict:
+        args = cli.parse_args(["--seed", str(seed), "--image", "2", "--audio", "1"])
+        return cli.add_media(args, target, *cli.make_prompts(args, 100))[2]
+
+    top, wrapped = media(2**64 - 1), media(-1)  # torch takes -1 as 2**64 - 1: the same media
+    assert top.keys() == wrapped.keys() and all(torch.equal(top[k], wrapped[k]) for k in top)
+
+
 @pytest.mark.parametrize("argv, flag", [(["--text-target", "--preset", "tiny8"], "--preset"),
                                         (["--text-target", "--distilled"], "--distilled"),
                                         (["--checkpoint", "{ckpt}", "--preset", "tiny8"], "--preset"),

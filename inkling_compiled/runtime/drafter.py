@@ -84,15 +84,32 @@ def _compile_options(compile_options, on_cuda: bool, model_options: dict) -> dic
     if unknown:
         raise ValueError(f"compile_options {unknown} are not torch.compile arguments (those are {sorted(accepted)})")
     options = {"fullgraph": True, "dynamic": False, **compile_options}
+    arguments.check_bool("compile_options['fullgraph']", options["fullgraph"])  # torch.compile checks them only
+    arguments.check_bool("compile_options['dynamic']", options["dynamic"], optional=True)  # at the first draft
     inductor = options.get("options") or {}
     if not isinstance(inductor, dict):
         raise ValueError(f"compile_options['options'] must be a dict of Inductor options, got {inductor!r}")
+    if options.get("mode") is not None and options.get("backend", "inductor") == "inductor":
+        inductor = {**_mode_options(options.pop("mode"), given=bool(inductor)), **inductor}
     inductor = {**model_options, **inductor}
     if not on_cuda:  # a C++ wrapper around the CPU kernels: ~30 us less per call than the Python wrapper
         inductor = {"cpp_wrapper": True, **CPU_CODEGEN_WORKAROUNDS, **inductor}
     if inductor:
         options["options"] = inductor
     return options
+
+
+def _mode_options(mode, given: bool) -> dict:
+    """torch.compile's ``mode`` as the Inductor options it stands for (what Inductor applies it as): torch.compile
+    takes a mode or options, not both, and the step always has options on CPU (and for a quantized model)."""
+    if given:
+        raise ValueError("compile_options: give 'mode' or 'options', not both (torch.compile takes one of them)")
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if not isinstance(mode, str) or mode not in modes:
+        raise ValueError(f"compile_options['mode'] must be one of {sorted(modes)}, got {mode!r}")
+    return dict(modes[mode])
 
 
 def decode_windows(num_speculative_tokens: int) -> tuple[int, int]:
@@ -434,10 +451,7 @@ class Drafter:
         batch = positions.shape[0]
         if batch > self.max_batch_size:
             raise ValueError(f"batch of {batch} sequences exceeds the drafter's max_batch_size {self.max_batch_size}")
-        cache = self.cache.depths[0].k
-        if (cache.dtype, cache.device) != (self.model.dtype, self.model.device):
-            raise ValueError(f"the model is now {self.model.dtype} on {self.model.device}, but this Drafter was built "
-                             f"for it as {cache.dtype} on {cache.device}: build a new Drafter after moving the model")
+        self.check_model_unchanged()
         self.model.check_inputs(input_ids, positions, hidden, self.cache, drafting=True)
         if inputs_embeds is not None and (not isinstance(inputs_embeds, torch.Tensor)
                                           or inputs_embeds.shape != hidden.shape
@@ -448,12 +462,21 @@ class Drafter:
             raise ValueError(f"inputs_embeds must be a {self.model.dtype} tensor on {self.model.device} shaped like "
                              f"hidden {tuple(hidden.shape)}, got {got}")
 
+    def check_model_unchanged(self) -> None:
+        """ValueError when the model was converted (``.to``, ``.half``, ...) after this Drafter built its cache and
+        buffers for it: they would meet the new dtype or device inside the first kernel."""
+        cache = self.cache.depths[0].k
+        if (cache.dtype, cache.device) != (self.model.dtype, self.model.device):
+            raise ValueError(f"the model is now {self.model.dtype} on {self.model.device}, but this Drafter was built "
+                             f"for it as {cache.dtype} on {cache.device}: build a new Drafter after moving the model")
+
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took."""
         batch_sizes = self.batch_buckets if batch_sizes is None else arguments.size_tuple("batch_sizes", batch_sizes)
         if batch_sizes and batch_sizes[-1] > self.max_batch_size:
             raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
         arguments.temperature(temperature)
+        self.check_model_unchanged()
         start = time.perf_counter()
         for batch in batch_sizes:
             for rows in self.graph_rows:
@@ -464,7 +487,9 @@ class Drafter:
 
     def bucket(self, batch: int, rows: int) -> tuple[int, int]:
         """The padded (batch, window rows) a call of ``rows`` new rows runs as (the window has at least K rows)."""
-        padded_batch = next((b for b in self.batch_buckets if b >= batch), batch)
+        batch = arguments.integer("batch", batch, minimum=1, maximum=self.max_batch_size)
+        rows = arguments.positive_int("rows", rows)
+        padded_batch = next(b for b in self.batch_buckets if b >= batch)  # the last is max_batch_size
         window = max(rows, self.num_speculative_tokens)
         padded_rows = window if window in self.graph_rows else 1 << (window - 1).bit_length()
         return padded_batch, padded_rows
@@ -474,6 +499,7 @@ class Drafter:
         compiled graph alone, without ``draft``'s input copies and output handling (what a benchmark sets it
         against; the packaged round for a packaged bucket). The buffers hold the inputs of the last ``draft`` call of
         that shape."""
+        self.check_model_unchanged()
         shape = self._shape(batch, rows, False)
         return functools.partial(self._round_of(shape), *shape.args())
 
@@ -495,9 +521,13 @@ class Drafter:
         directory = arguments.path("directory", directory)
         batch_sizes = self.batch_buckets if batch_sizes is None else arguments.size_tuple("batch_sizes", batch_sizes)
         rows = self.graph_rows if rows is None else arguments.size_tuple("rows", rows)
-        if batch_sizes and batch_sizes[-1] > self.max_batch_size:
+        for name, sizes in (("batch_sizes", batch_sizes), ("rows", rows)):
+            if not sizes:  # a package of no bucket, which load_compiled would take and never use
+                raise ValueError(f"save_compiled: {name} must name at least one size, got ()")
+        if batch_sizes[-1] > self.max_batch_size:
             raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
         arguments.check_bool("sampled", sampled)
+        self.check_model_unchanged()
         keys = sorted({(*self.bucket(b, r), s) for b in batch_sizes for r in rows for s in {False, sampled}})
         return packaged.save_rounds(self, directory, [_BucketBuffers(self, *key) for key in keys])
 

@@ -27,7 +27,7 @@ from transformers.generation import (
     TemperatureLogitsWarper,
 )
 
-from .multimodal import MULTIMODAL_KWARGS, merged_rows
+from .multimodal import MULTIMODAL_KWARGS, check_drafter_takes_rows, merged_rows
 from .speculative import Decoding, SpeculativeOutput, _validate, run_loop
 
 __all__ = ["SpeculativeGenerateOutput", "custom_generate"]
@@ -103,8 +103,10 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
         draft_scores=_processor_scores(beyond_temperature, batch) if do_sample and len(beyond_temperature) else None,
         stop=(lambda sequences: StoppingCriteriaList(criteria)(sequences, None)) if criteria else None,
         pad_after_stop=bool(eos), streamer=streamer)
+    media = {name: model_kwargs.get(name) for name in MULTIMODAL_KWARGS}
+    check_drafter_takes_rows(drafter, media)
     with torch.no_grad():
-        rows = merged_rows(model, input_ids, **{name: model_kwargs.get(name) for name in MULTIMODAL_KWARGS})
+        rows = merged_rows(model, input_ids, **media)
         out = run_loop(model, drafter, input_ids, attention_mask, decoding,
                        max_new_tokens=max_new_tokens, eos=eos, pad_token_id=pad,
                        generator=generator, lockstep=lockstep, rows=rows)

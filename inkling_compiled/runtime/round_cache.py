@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .. import arguments
 from . import packaged
 
 ENV_VAR = "INKLING_COMPILED_ROUNDS"
@@ -49,7 +50,7 @@ def cache_root() -> Path | None:
     value = os.environ.get(ENV_VAR, "").strip()
     if value.lower() in _OFF:
         return None
-    return Path(value) if value else Path.home() / ".cache" / "inkling_compiled" / "rounds"
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "inkling_compiled" / "rounds"  # a quoted ~
 
 
 def rows_range(drafter) -> tuple[int, int]:
@@ -104,6 +105,11 @@ def refusal(drafter, key: tuple[int, bool], directory: Path) -> str | None:
 def missing(drafter, sampled: bool = False) -> list[int]:
     """The batch buckets whose entry (greedy, or ``sampled``) the cache lacks for ``drafter``: those its first call
     at that bucket would build; [] for a drafter that does not use the cache, or when the cache is off."""
+    from .drafter import Drafter  # which imports this module
+
+    if not isinstance(drafter, Drafter):
+        raise arguments.ArgumentError(f"drafter must be a Drafter, got {type(drafter).__name__}")
+    arguments.check_bool("sampled", sampled)
     root = cache_root()
     if root is None or not drafter.cached_rounds:
         return []

@@ -17,7 +17,7 @@ from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
 from .drafter import Drafter, DraftResult, DraftSource
-from .multimodal import merged_rows
+from .multimodal import check_drafter_takes_rows, merged_rows
 from .target_cache import rollback_rows, select_rows
 
 __all__ = ["SpeculativeOutput", "speculative_generate", "target_distribution"]
@@ -154,6 +154,8 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     if not isinstance(drafter, DraftSource):
         raise arguments.ArgumentError(f"drafter must follow the DraftSource protocol (draft, max_batch_size, "
                                       f"max_length, num_speculative_tokens), got {type(drafter).__name__}")
+    for name in ("max_batch_size", "max_length", "num_speculative_tokens"):  # a drafter of the caller's own
+        arguments.positive_int(f"drafter.{name}", getattr(drafter, name))
     arguments.positive_int("max_new_tokens", max_new_tokens)
     arguments.temperature(temperature)
     arguments.check_bool("lockstep", lockstep)
@@ -175,6 +177,8 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
         raise ValueError(f"the drafter's model is on {draft_device}, the target on {target_device}")
     if isinstance(draft_model, InklingMTP):  # what the drafter would check on every call, checked once here
         draft_model.check_parameters()
+    if isinstance(drafter, Drafter):
+        drafter.check_model_unchanged()
     arguments.generator(generator, target_device)
     text = _text_config(target)
     eos = arguments.token_ids("eos_token_id", eos_token_id, text.vocab_size)
@@ -255,9 +259,11 @@ def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
     else:
         decoding = Decoding(greedy=False, draft_temperature=float(temperature),
                             scores=lambda context, logits, rows: temperature_top_p_scores(logits, temperature, top_p))
+    media = {"pixel_values": pixel_values, "audio_input_ids": audio_input_ids,
+             "audio_input_ids_mask": audio_input_ids_mask, "mm_encoder_outputs": mm_encoder_outputs}
+    check_drafter_takes_rows(drafter, media)
     with torch.no_grad():
-        rows = merged_rows(target, input_ids, pixel_values=pixel_values, audio_input_ids=audio_input_ids,
-                           audio_input_ids_mask=audio_input_ids_mask, mm_encoder_outputs=mm_encoder_outputs)
+        rows = merged_rows(target, input_ids, **media)
         return run_loop(target, drafter, input_ids, attention_mask, decoding, max_new_tokens=max_new_tokens, eos=eos,
                         pad_token_id=pad_token_id, generator=generator, lockstep=lockstep, rows=rows)
 

@@ -425,7 +425,8 @@ def raw_text_tensors(causal_lm) -> dict[str, torch.Tensor]:
 
 
 def default_cache_root() -> Path:
-    return Path(os.environ.get("INKLING_COMPILED_CACHE") or Path.home() / ".cache" / "inkling_compiled" / "checkpoints")
+    return Path(os.environ.get("INKLING_COMPILED_CACHE") or Path.home() / ".cache" / "inkling_compiled" /
+                "checkpoints").expanduser()  # a quoted ~ in the variable
 
 
 def cached_checkpoint(preset: str, *, root=None, seed: int = 0, dtype: torch.dtype = torch.float32,

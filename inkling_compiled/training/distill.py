@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import arguments
 from ..atomic_files import build_directory_atomically
 from ..checkpoint.layout import INDEX_FILE, MTP_FILE
 from ..checkpoint.reader import read_header, stored_dtype
@@ -310,7 +311,7 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
     """
     from ..model.mtp import InklingMTP
 
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = arguments.path("checkpoint_dir", checkpoint_dir)
     if (prompts is None) != (eval_prompts is None):
         raise ValueError("give both prompts and eval_prompts, or neither")
     if prompts is not None:
@@ -320,6 +321,7 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
         (num_sequences, prompt_len), eval_sequences = prompts.shape, eval_prompts.shape[0]
     params = dict(steps=steps, seq_len=seq_len, batch=batch, seed=seed, lr=lr, prompt_len=prompt_len,
                   num_sequences=num_sequences, eval_sequences=eval_sequences, soft=soft)
+    _check_arguments(params, force=force, progress=progress)
     if prompts is not None:
         params["prompts"] = prompts_digest(prompts, eval_prompts)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, **params)
@@ -361,6 +363,18 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
     return out_dir
 
 
+def _check_arguments(params: dict, **flags) -> None:
+    """Every count >= 1, a finite lr > 0, an int seed, bools: before the target's continuations are generated (the
+    costly part), where a bad one failed deep inside, or, for steps <= 0, silently wrote an undistilled copy."""
+    for name in ("steps", "seq_len", "batch", "prompt_len", "num_sequences", "eval_sequences"):
+        arguments.positive_int(name, params[name])
+    if not arguments.is_number(params["lr"]) or not 0 < params["lr"] < math.inf:
+        raise arguments.ArgumentError(f"lr must be a finite number > 0, got {params['lr']!r}")
+    arguments.integer("seed", params["seed"])
+    for name, value in {"soft": params["soft"], **flags}.items():
+        arguments.check_bool(name, value)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inkling_compiled.training.distill",
                                      description=__doc__.split("\n\n")[0])
@@ -373,13 +387,17 @@ def main(argv=None) -> int:
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--hard-labels", dest="soft", action="store_false",
                         help="train on the greedy tokens instead of the target's next-token distribution")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=arguments.positive_int_option, default=None, help="torch intra-op threads")
     parser.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
     args = parser.parse_args(argv)
+    params = {name: getattr(args, name) for name in DEFAULTS}
+    try:
+        _check_arguments(params)
+    except arguments.ArgumentError as e:
+        parser.error(f"--{str(e).replace('_', '-')}")  # "--steps must be an int >= 1, got -1"
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpoint = Path(args.checkpoint) if args.checkpoint else cached_checkpoint(args.config)
-    params = {name: getattr(args, name) for name in DEFAULTS}
     out = distill(checkpoint, args.out, force=args.force, **params)
     metrics = load_metrics(out)
     print(json.dumps({"out_dir": str(out), "agreement_before": metrics["agreement_before"],

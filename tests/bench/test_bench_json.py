@@ -117,6 +117,7 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     assert not default.runs("quant", "tiny") and default.runs("quant", "small") and full.time_budget > 10
     assert run.parse_args(["--record"]).record == run.RESULTS_MD
     assert run.parse_args(["--skip", "e2e,peer"]).skip == {"e2e", "peer"}
+    assert run.parse_args(["--batch-sizes", "4,1,4"]).batch_sizes == (4, 1)  # a repeat was measured twice
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -129,11 +130,32 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     (["--only", "e2e", "--skip", "e2e"], "both skipped and asked for with --with / --only: ['e2e']"),
     (["--ks", "1,two"], "--ks: must be comma-separated integers, got '1,two'"),
     (["--e2e-ks", "0,4"], "each >= 1, got '0,4'"),
-    (["--tp-world-sizes", "1,0"], "--tp-world-sizes: must name one or more integers, each >= 1, got '1,0'")])
+    (["--tp-world-sizes", "1,0"], "--tp-world-sizes: must name one or more integers, each >= 1, got '1,0'"),
+    (["--context", "-1"], "argument --context: must be an integer >= 1, got '-1'"),
+    (["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),  # was silently 1
+    (["--time-budget", "-1"], "argument --time-budget: must be a number > 0, got '-1'"),
+    (["--probe-timeout", "nan"], "argument --probe-timeout: must be a number > 0, got 'nan'"),
+    (["--e2e-tokens", "0"], "argument --e2e-tokens: must be an integer >= 1, got '0'"),
+    (["--k-seconds", "-1"], "argument --k-seconds: must be a number >= 0, got '-1'"),
+    (["--config", "nope"], "argument --config: unknown name(s) ['nope']"),
+    (["--config", ","], "argument --config: must name one or more presets"),
+    (["--device", "tpu"], "argument --device: must be cpu or cuda (cuda:N), got 'tpu'"),
+    (["--e2e-checkpoint", "/no/such/dir"], "argument --e2e-checkpoint: '/no/such/dir' is not a directory"),
+    (["--record", "/no/such/dir/RESULTS.md"], "argument --record: '/no/such/dir/RESULTS.md' must be a file in an "
+                                              "existing directory"),
+    (["--json", "."], "argument --json: '.' is a directory; name the file")])
 def test_bad_arguments_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit):
         run.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_an_unwritable_json_path_is_refused_before_anything_is_measured(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(run, "_section", lambda *a: pytest.fail("measured before the JSON could be written"))
+    with pytest.raises(SystemExit, match=r"argument --json: cannot write .*a-file/result.json"):
+        run.run(["--quick", "--only", "latency", "--json", str(blocker / "result.json")])
 
 
 def test_help_is_only_the_help():

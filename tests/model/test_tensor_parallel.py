@@ -308,3 +308,9 @@ def test_cli_tp_needs_torchrun(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         generate_cli(["--tp", "2"])
     assert "--tp 2 needs 2 processes: launch with torchrun --nproc-per-node 2" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # but none of torchrun's other variables: the rendezvous's traceback
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit):
+        generate_cli(["--tp", "2"])
+    assert "(WORLD_SIZE is 2; unset: RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)" in capsys.readouterr().err

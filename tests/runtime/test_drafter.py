@@ -152,6 +152,11 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
     (dict(compile_options="max-autotune"), "compile_options must be a dict of torch.compile arguments"),
     (dict(compile_options={"bogus": 1}), r"compile_options \['bogus'\] are not torch.compile arguments"),
     (dict(compile_options={"options": 3}), r"compile_options\['options'\] must be a dict of Inductor options"),
+    (dict(compile_options={"mode": "fastest"}), r"compile_options\['mode'\] must be one of \['default', .* 'fastest'"),
+    (dict(compile_options={"mode": "max-autotune", "options": {"max_autotune": False}}),
+     "compile_options: give 'mode' or 'options', not both"),
+    (dict(compile_options={"dynamic": "x"}), r"compile_options\['dynamic'\] must be a bool or None, got 'x'"),
+    (dict(compile_options={"fullgraph": 1}), r"compile_options\['fullgraph'\] must be a bool, got 1"),
     (dict(compile="yes"), "compile must be a bool, got 'yes'"),
     (dict(cuda_graphs=1), "cuda_graphs must be a bool or None, got 1"),
 ])
@@ -174,6 +179,16 @@ def test_drafter_buckets_are_deduplicated_and_caller_compile_options_win():
     assert not drafter.uses_graph(1, 1)  # no CUDA here
 
 
+def test_a_compile_mode_is_applied_as_its_inductor_options_beside_ours():
+    """torch.compile refuses a mode together with options, and the step always has options on CPU (the C++ wrapper):
+    the mode was accepted here and then failed the first draft inside torch."""
+    drafter = Drafter(random_mtp(), 1, 64, num_speculative_tokens=1,
+                      compile_options={"mode": "max-autotune-no-cudagraphs"})
+    assert "mode" not in drafter._compile_options
+    assert drafter._inductor_options["max_autotune"] and drafter._inductor_options["cpp_wrapper"]
+    assert callable(drafter._depth_step)  # torch.compile took the options (it checks them here, compiling nothing)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(batch_sizes=(0,)), "each of batch_sizes must be an int >= 1, got 0"),
     (dict(batch_sizes=(1, 3)), "batch size 3 exceeds the drafter's max_batch_size 2"),
@@ -184,6 +199,31 @@ def test_capture_arguments_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         drafter.capture(**kwargs)
     assert not drafter._shapes  # refused before anything ran
+
+
+@pytest.mark.parametrize("batch, rows, match", [(3, 1, r"batch must be an int in \[1, 2\], got 3"),
+                                               (0, 1, r"batch must be an int in \[1, 2\], got 0"),
+                                               (1, 0, "rows must be an int >= 1, got 0"),
+                                               (1.0, 1, r"batch must be an int in \[1, 2\], got 1.0")])
+def test_bucket_and_static_step_check_their_sizes(batch, rows, match):
+    """A batch past max_batch_size was a static step over buffers larger than the cache (a size-mismatch error from
+    inside torch when called); zero or negative sizes were silently the smallest bucket."""
+    drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
+    for method in (drafter.bucket, drafter.static_step, drafter.uses_graph):
+        with pytest.raises(ValueError, match=match):
+            method(batch, rows)
+    assert not drafter._shapes
+
+
+def test_capture_static_step_and_save_refuse_a_model_converted_after_construction(tmp_path):
+    """capture and static_step met the old cache inside a kernel; save_compiled wrote a package of mixed dtypes."""
+    model = random_mtp()
+    drafter = Drafter(model, max_batch_size=1, max_length=16, compile=False, num_speculative_tokens=1)
+    model.to(torch.bfloat16)
+    for call in (drafter.capture, lambda: drafter.static_step(1, 1), lambda: drafter.save_compiled(tmp_path / "p")):
+        with pytest.raises(ValueError, match="the model is now torch.bfloat16 on cpu, but this Drafter was built"):
+            call()
+    assert not (tmp_path / "p").exists()
 
 
 def test_draft_inputs_that_require_grad_leave_no_history():

@@ -15,6 +15,7 @@ from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
 from inkling_compiled.runtime.multimodal import merged_rows
 from inkling_compiled.testing import synthetic
+from tests.runtime.test_speculative import StandInDrafter
 
 IMAGE, IMAGE_BOS, AUDIO, AUDIO_BOS = 4, 5, 7, 6  # the synthetic checkpoints' special ids
 PATCH = (2, 2, 2, 3)  # one vision patch (temporal, height, width, channels): one merged row
@@ -175,3 +176,55 @@ def test_cli_decodes_an_image_and_audio_prompt(capsys):
                          "--max-new-tokens", "4", "--ignore-eos", "--image", "3", "--audio", "2"])
     printed = capsys.readouterr().out
     assert code == 0 and "greedy generate() match: True" in printed and "image patches 3, audio frames 2" in printed
+
+
+@pytest.mark.parametrize("inputs, match", [
+    (dict(pixel_values=torch.randn(3, *PATCH).double()), r"pixel_values must be a torch.float32 tensor on cpu of "
+                                                         r"shape \[patches, 2, 2, 2, 3\].*got a torch.float64"),
+    (dict(pixel_values=torch.randn(3, 2, 4, 2, 3)), r"pixel_values must be .* got .* of shape \[3, 2, 4, 2, 3\]"),
+    (dict(pixel_values=[1.0]), r"pixel_values must be .* got list"),
+    (dict(pixel_values=torch.full((3, *PATCH), float("nan"))), "pixel_values hold a NaN or inf"),
+    (dict(audio_input_ids=torch.full((1, 3, 4), 8)), r"audio_input_ids hold id 8, outside the codebook \[0, 8\)"),
+    (dict(audio_input_ids=torch.zeros(1, 3, 4)), "audio_input_ids must be an integer tensor, got torch.float32"),
+    (dict(audio_input_ids=torch.zeros(1, 3, 5, dtype=torch.long)), r"shape \[audios, frames, 4\]"),
+    (dict(audio_input_ids=torch.zeros(1, 3, 4, dtype=torch.long), audio_input_ids_mask=torch.ones(1, 2)),
+     r"audio_input_ids_mask must be a 0 / 1 tensor of shape \[1, 3\]"),
+    (dict(audio_input_ids_mask=torch.ones(1, 3)), "audio_input_ids_mask was given without audio_input_ids"),
+    (dict(mm_encoder_outputs="image"), "mm_encoder_outputs must be a dict"),
+])
+def test_media_the_towers_cannot_take_are_refused_by_name(tiny_mm, inputs, match):
+    """Each was an error from inside the towers (an index error; a CUDA device assert), garbage tokens (a NaN
+    patch), or silently ignored (a mask alone)."""
+    target, mtp = tiny_mm
+    ids, mask, _ = image_prompt(0)
+    drafter = Drafter(mtp, 1, 64, compile=False)
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(target, drafter, ids, mask, max_new_tokens=2, **inputs)
+
+
+def test_a_text_only_drafter_is_refused_for_an_image_prompt_before_any_model_call(tiny_mm):
+    """DraftSource lets a text-only drafter leave inputs_embeds out of draft(): with an image prompt that was a
+    TypeError from its draft call, after the towers and the target's prefill had run."""
+    target, _ = tiny_mm
+    ids, mask, pixels = image_prompt(0)
+    hook = target.register_forward_pre_hook(lambda *args: pytest.fail("the target ran"))
+    try:
+        for run in (lambda: speculative_generate(target, StandInDrafter(500), ids, mask, max_new_tokens=2,
+                                                 pixel_values=pixels),
+                    lambda: target.generate(ids, attention_mask=mask, pixel_values=pixels, max_new_tokens=2,
+                                            custom_generate=custom_generate, drafter=StandInDrafter(500))):
+            with pytest.raises(ValueError, match=r"an image or audio prompt needs a drafter whose draft takes "
+                                                 r"inputs_embeds .*; StandInDrafter.draft does not"):
+                run()
+    finally:
+        hook.remove()
+
+
+def test_a_bf16_targets_media_are_checked_against_its_towers():
+    """A bf16 target keeps some tensors in float32 (its short convolutions): the patches' dtype is the vision
+    tower's."""
+    target = synthetic.load_hf_target(synthetic.cached_checkpoint("tiny"), dtype=torch.bfloat16)
+    ids, _, pixels = image_prompt(0)
+    assert merged_rows(target, ids, pixel_values=pixels.bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="pixel_values must be a torch.bfloat16 tensor"):
+        merged_rows(target, ids, pixel_values=pixels)

@@ -259,10 +259,13 @@ def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(eag
     (dict(batch_sizes=(3,)), "exceeds the drafter's max_batch_size 2"),
     (dict(rows=(0,)), "each of rows must be an int >= 1"),
     (dict(sampled=1), "sampled must be a bool"),
+    (dict(batch_sizes=()), r"batch_sizes must name at least one size, got \(\)"),  # was an empty package
+    (dict(rows=[]), r"rows must name at least one size, got \(\)"),
 ])
 def test_save_compiled_arguments_are_checked(eager, tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         eager[1].save_compiled(tmp_path / "p", **kwargs)
+    assert not (tmp_path / "p").exists()
 
 
 def test_a_quantized_drafter_with_frozen_weights_is_not_packaged(tmp_path):

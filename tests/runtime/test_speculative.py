@@ -465,6 +465,17 @@ def test_the_drafter_contract_is_checked(target):
         speculative_generate(target, OneDraftShape(120, max_batch_size=1, max_length=12), ids, max_new_tokens=3)
 
 
+@pytest.mark.parametrize("member, value", [("num_speculative_tokens", 0), ("num_speculative_tokens", "1"),
+                                           ("max_batch_size", "4"), ("max_length", None)])
+def test_a_drafters_sizes_are_checked_before_any_model_call(target, member, value):
+    """A K of 0 was a ZeroDivisionError after the whole loop had run; a size of another type, a TypeError."""
+    drafter = StandInDrafter(120)
+    setattr(drafter, member, value)
+    drafter.draft = lambda *args, **kwargs: pytest.fail("drafter called")
+    with pytest.raises(ValueError, match=f"drafter.{member} must be an int >= 1, got {value!r}"):
+        speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
+
+
 class BadDrafts(StandInDrafter):
     """Returns drafts (and probs) the target cannot take: an id past its vocabulary, or the wrong shape."""
 
@@ -530,6 +541,19 @@ def test_a_drafter_in_another_dtype_gets_the_hiddens_in_its_own(target):
     expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
                                eos_token_id=None, pad_token_id=0)
     assert torch.equal(ours.sequences, expected)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_drafter_whose_model_was_converted_after_construction_is_refused_up_front(target, monkeypatch, k):
+    """Its cache and buffers keep the old dtype: the loop's unvalidated draft calls met it inside a kernel (an index
+    put or a matmul of mixed dtypes). Drafter.check names it; the loop, which skips that check, must too."""
+    mtp = random_mtp(tiny_text_config(vocab_size=128, unpadded_vocab_size=120))
+    drafter = Drafter(mtp, max_batch_size=1, max_length=16, compile=False, num_speculative_tokens=k)
+    mtp.to(torch.bfloat16)
+    monkeypatch.setattr(speculative, "_target_step", lambda *args, **kwargs: pytest.fail("target called"))
+    with pytest.raises(ValueError, match=r"the model is now torch\.bfloat16 on cpu, but this Drafter was built for "
+                                         r"it as torch\.float32 on cpu: build a new Drafter"):
+        speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
 
 
 def test_validated_once_up_front_then_the_drafter_checks_nothing(target, monkeypatch):

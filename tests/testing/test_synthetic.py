@@ -153,6 +153,11 @@ def test_cached_checkpoint_reuses_dir_and_index_covers_shards(ckpt, tmp_path):
                                     "local_layer_ids": [0]}
 
 
+def test_the_checkpoint_cache_variable_takes_a_quoted_home(monkeypatch):
+    monkeypatch.setenv("INKLING_COMPILED_CACHE", "~/checkpoints")  # no shell expanded it: not ./~/checkpoints
+    assert S.default_cache_root() == Path.home() / "checkpoints"
+
+
 def test_unsharded_variant_and_reference_tensors(ckpt, raw, tmp_path):
     path = S.write_checkpoint(tmp_path / "flat", S.tiny_config(), sharded=False)
     assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "mtp.safetensors"]

@@ -4,6 +4,7 @@ that rises, a result directory both libraries load."""
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -104,3 +105,27 @@ def test_default_out_dir_is_keyed_by_the_arguments(tiny_checkpoint):
     assert a == D.default_out_dir(tiny_checkpoint, **QUICK)
     assert a != D.default_out_dir(tiny_checkpoint, **{**QUICK, "steps": QUICK["steps"] + 1})
     assert a != D.default_out_dir(tiny_checkpoint, **{**QUICK, "seed": 1})
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(steps=-1), "steps must be an int >= 1, got -1"),  # was an undistilled copy written as distilled
+    (dict(batch=0), "batch must be an int >= 1, got 0"),
+    (dict(eval_sequences=0), "eval_sequences must be an int >= 1, got 0"),
+    (dict(lr=float("nan")), "lr must be a finite number > 0, got nan"),
+    (dict(seed=1.5), "seed must be an int, got 1.5"),
+    (dict(soft=1), "soft must be a bool, got 1"),
+])
+def test_distill_arguments_are_checked_before_anything_runs(tiny_checkpoint, tmp_path, monkeypatch, overrides,
+                                                            match):
+    monkeypatch.setattr(D, "load_hf_target", lambda *args, **kwargs: pytest.fail("the target was loaded"))
+    with pytest.raises(ValueError, match=match):
+        D.distill(tiny_checkpoint, tmp_path / "out", progress=False, **{**QUICK, **overrides})
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [(["--eval-sequences", "0"], "--eval-sequences must be an int >= 1, got 0"),
+                                           (["--threads", "-1"], "argument --threads: must be an int >= 1, got '-1'")])
+def test_distill_command_line_names_a_bad_option(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        D.main(argv)
+    assert message in capsys.readouterr().err

@@ -275,3 +275,10 @@ def test_generate_cli_prints_decoded_text(built, monkeypatch, capsys):
     assert code == 0 and "greedy generate() match: True" in out
     prompt = T.decode(T.heldout_prompts(1, 24, seed=0)[0])
     assert f"[0] prompt (24 bytes):\n{prompt}\n[0] generated (8 tokens):\n" in out
+
+
+def test_build_command_line_refuses_a_thread_count_below_one(capsys):
+    """--threads 0 was ignored, -1 a RuntimeError from torch.set_num_threads."""
+    with pytest.raises(SystemExit):
+        T.main(["--threads", "0"])
+    assert "argument --threads: must be an int >= 1, got '0'" in capsys.readouterr().err
