@@ -24,6 +24,7 @@ from types import ModuleType
 import torch
 import transformers
 
+from inkling_compiled import arguments
 from inkling_compiled.runtime import round_cache
 from inkling_compiled.testing.synthetic import PRESETS
 
@@ -103,20 +104,17 @@ def _names(known) -> Callable[[str], frozenset[str]]:
     return names
 
 
-def _number(kind: type, minimum: float, strict: bool = False) -> Callable[[str], int | float]:
-    """An argparse type: one finite ``kind`` (int or float) >= ``minimum`` (> it with ``strict``)."""
-    bound = f"{'>' if strict else '>='} {minimum:g}"
-
-    def number(value: str) -> int | float:
+def _seconds(positive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, > 0 where ``positive``, else >= 0."""
+    def seconds(value: str) -> float:
         try:
-            x = kind(value)
+            x = float(value)
         except ValueError:
-            x = None
-        if x is None or not math.isfinite(x) or x < minimum or strict and x == minimum:
-            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'} {bound}, "
-                                             f"got {value!r}")
+            x = math.nan
+        if not math.isfinite(x) or x < 0 or positive and x == 0:
+            raise argparse.ArgumentTypeError(f"must be a number {'>' if positive else '>='} 0, got {value!r}")
         return x
-    return number
+    return seconds
 
 
 def _presets(value: str) -> tuple[str, ...]:
@@ -156,7 +154,7 @@ def _positive_ints(value: str) -> tuple[int, ...]:
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     names, ints = [s.name for s in SECTIONS], _positive_ints
-    count, seconds = _number(int, 1), _number(float, 0, strict=True)
+    count, seconds = arguments.positive_int_option, _seconds(positive=True)
     p.add_argument("--full", action="store_true", help="every section and part, with longer timings (tens of "
                    "minutes on 2 cores; default: the headline figures in under 2 once a first run built its rounds)")
     p.add_argument("--quick", action="store_true", help="few iterations everywhere (a smoke test; rough numbers)")
@@ -191,7 +189,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distill-steps", type=count, help="self-distillation steps of the synthetic target")
     p.add_argument("--ks", type=ints, default="1,2,4,8", help="K values of the K sweep (beyond the target's depths: "
                    "left out)")
-    p.add_argument("--k-seconds", type=_number(float, 0), help="seconds of draft-round timing per K and window "
+    p.add_argument("--k-seconds", type=_seconds(positive=False), help="seconds of draft-round timing per K and window "
                    "(0: none)")
     p.add_argument("--tp-world-sizes", type=ints, default="1,2", help="gloo ranks of the tp section")
     p.add_argument("--json", dest="json_path", type=Path, help="where the JSON goes (default: bench/out/)")

@@ -17,6 +17,7 @@ prints them.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -192,7 +193,8 @@ def add_media(args, target, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torc
     if args.image:
         vision = config.vision_config
         patch = (vision.temporal_patch_size, vision.patch_size, vision.patch_size, vision.num_channels)
-        media["pixel_values"] = torch.randn(args.batch * args.image, *patch, generator=gen).to(args.device)
+        media["pixel_values"] = torch.randn(args.batch * args.image, *patch, generator=gen).to(
+            args.device, target.model.vision_tower.dtype)  # as --dtype loaded the vision tower
         inserted += [config.image_bos_token_id] + [config.image_token_id] * args.image
     if args.audio:
         audio = config.audio_config
@@ -225,6 +227,8 @@ def ranks_agree(sequences: torch.Tensor) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.device.startswith("cuda"):  # transformers' note that causal_conv1d, a CUDA kernel, is not installed
+        logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
     mesh = device_mesh(args)
     try:
         return generate(args, mesh)

@@ -109,6 +109,10 @@ def _mode_options(mode, given: bool) -> dict:
     modes = list_mode_options()
     if not isinstance(mode, str) or mode not in modes:
         raise ValueError(f"compile_options['mode'] must be one of {sorted(modes)}, got {mode!r}")
+    if modes[mode].get("triton.cudagraphs"):  # a replay overwrites the outputs the next depth reads
+        raise ValueError(f"compile_options['mode'] {mode!r} turns on Inductor's CUDA graphs, which break chained "
+                         f"depths (docs/compile.md §8): use the Drafter's own (cuda_graphs=True), and a mode "
+                         f"without them")
     return dict(modes[mode])
 
 

@@ -75,7 +75,7 @@ def _checked_media(target, pixel_values, audio_input_ids, audio_input_ids_mask):
     if pixel_values is not None:
         vision = config.vision_config
         patch = (vision.temporal_patch_size, vision.patch_size, vision.patch_size, vision.num_channels)
-        tower = next(target.model.vision_tower.parameters())  # its first projection's weight
+        tower = target.model.vision_tower  # a PreTrainedModel: the dtype of its floating-point parameters
         if (not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 5
                 or tuple(pixel_values.shape[1:]) != patch or pixel_values.dtype != tower.dtype
                 or pixel_values.device != tower.device):

@@ -105,9 +105,8 @@ def refusal(drafter, key: tuple[int, bool], directory: Path) -> str | None:
 def missing(drafter, sampled: bool = False) -> list[int]:
     """The batch buckets whose entry (greedy, or ``sampled``) the cache lacks for ``drafter``: those its first call
     at that bucket would build; [] for a drafter that does not use the cache, or when the cache is off."""
-    from .drafter import Drafter  # which imports this module
-
-    if not isinstance(drafter, Drafter):
+    if not all(hasattr(drafter, name) for name in ("cached_rounds", "batch_buckets", "num_speculative_tokens")):
+        # (what a Drafter has: drafter.py imports this module, so no isinstance check against it here)
         raise arguments.ArgumentError(f"drafter must be a Drafter, got {type(drafter).__name__}")
     arguments.check_bool("sampled", sampled)
     root = cache_root()

@@ -131,11 +131,11 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     (["--ks", "1,two"], "--ks: must be comma-separated integers, got '1,two'"),
     (["--e2e-ks", "0,4"], "each >= 1, got '0,4'"),
     (["--tp-world-sizes", "1,0"], "--tp-world-sizes: must name one or more integers, each >= 1, got '1,0'"),
-    (["--context", "-1"], "argument --context: must be an integer >= 1, got '-1'"),
-    (["--threads", "0"], "argument --threads: must be an integer >= 1, got '0'"),  # was silently 1
+    (["--context", "-1"], "argument --context: must be an int >= 1, got '-1'"),
+    (["--threads", "0"], "argument --threads: must be an int >= 1, got '0'"),  # was silently 1
     (["--time-budget", "-1"], "argument --time-budget: must be a number > 0, got '-1'"),
     (["--probe-timeout", "nan"], "argument --probe-timeout: must be a number > 0, got 'nan'"),
-    (["--e2e-tokens", "0"], "argument --e2e-tokens: must be an integer >= 1, got '0'"),
+    (["--e2e-tokens", "0"], "argument --e2e-tokens: must be an int >= 1, got '0'"),
     (["--k-seconds", "-1"], "argument --k-seconds: must be a number >= 0, got '-1'"),
     (["--config", "nope"], "argument --config: unknown name(s) ['nope']"),
     (["--config", ","], "argument --config: must name one or more presets"),

@@ -155,6 +155,8 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
     (dict(compile_options={"mode": "fastest"}), r"compile_options\['mode'\] must be one of \['default', .* 'fastest'"),
     (dict(compile_options={"mode": "max-autotune", "options": {"max_autotune": False}}),
      "compile_options: give 'mode' or 'options', not both"),
+    (dict(compile_options={"mode": "reduce-overhead"}), r"'reduce-overhead' turns on Inductor's CUDA graphs, which "
+     r"break chained depths \(docs/compile.md §8\): use the Drafter's own \(cuda_graphs=True\)"),
     (dict(compile_options={"dynamic": "x"}), r"compile_options\['dynamic'\] must be a bool or None, got 'x'"),
     (dict(compile_options={"fullgraph": 1}), r"compile_options\['fullgraph'\] must be a bool, got 1"),
     (dict(compile="yes"), "compile must be a bool, got 'yes'"),

@@ -15,7 +15,7 @@ from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
 from inkling_compiled.runtime.multimodal import merged_rows
 from inkling_compiled.testing import synthetic
-from tests.runtime.test_speculative import StandInDrafter
+from tests.helpers import StandInDrafter
 
 IMAGE, IMAGE_BOS, AUDIO, AUDIO_BOS = 4, 5, 7, 6  # the synthetic checkpoints' special ids
 PATCH = (2, 2, 2, 3)  # one vision patch (temporal, height, width, channels): one merged row

@@ -19,75 +19,12 @@ from transformers import DynamicCache
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.generate import main as generate_cli
-from inkling_compiled.runtime import Drafter, DraftResult, speculative
+from inkling_compiled.runtime import Drafter, speculative
 from inkling_compiled.runtime.speculative import speculative_generate, target_distribution
 from inkling_compiled.testing import synthetic
-from tests.helpers import PAD, make_target, random_mtp, tiny_text_config
+from tests.helpers import PAD, StandInDrafter, make_target, random_mtp, tiny_text_config
 
 pytestmark = pytest.mark.floor  # make test-floor: exercises a dependency at its lowest version
-
-
-# ------------------------------------------------------------------------------------------------ stand-in drafter
-
-class StandInDrafter:
-    """A ``DraftSource`` with one draft per round that records every row it is fed.
-
-    Greedy: proposes ``oracle[b][P]`` (the target's greedy token at real position P, from ``generate``) unless
-    ``wrong(b, P)``, then a different token. Sampling: samples from ``q_fn(history_b, P)`` ([V] per row).
-    """
-
-    num_speculative_tokens = 1
-
-    def __init__(self, vocab, *, max_batch_size=8, max_length=64, oracle=None, wrong=lambda b, p: False,
-                 q_fn=None):
-        self.vocab, self.max_batch_size, self.max_length = vocab, max_batch_size, max_length
-        self.oracle, self.wrong, self.q_fn = oracle, wrong, q_fn
-        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.history: list[dict[int, int]] = []  # per row: real position -> token, from the rows fed
-
-    def draft(self, input_ids, positions, hidden, *, temperature=0.0, generator=None, validate=True):
-        assert input_ids.shape == positions.shape and hidden.shape[:2] == positions.shape
-        assert input_ids.dtype == positions.dtype == torch.long
-        batch = positions.shape[0]
-        assert batch <= self.max_batch_size and int(positions.max()) < self.max_length
-        self.calls.append((input_ids.clone(), positions.clone(), hidden.clone()))
-        if not self.history:
-            self.history = [{} for _ in range(batch)]
-        for b in range(batch):
-            for tok, pos in zip(input_ids[b].tolist(), positions[b].tolist()):
-                if pos >= 0:
-                    self.history[b][pos + 1] = tok
-        want = (positions.amax(dim=1) + 2).tolist()  # the position each draft is for (after the last real row)
-        if temperature == 0.0:
-            tokens = []
-            for b, p in enumerate(want):
-                tok = self.oracle[b][p] if self.oracle is not None and p in self.oracle[b] else 3
-                tokens.append((tok + 1 + b) % self.vocab if self.wrong(b, p) else tok)
-            return DraftResult(drafts=torch.tensor(tokens)[:, None], draft_probs=None, hidden=hidden[:, -1])
-        # a finished row (every row padding) drafts nothing the loop reads: any distribution will do
-        q = torch.stack([self.q_fn(self.history[b], p) if p >= 2 else torch.ones(self.vocab) / self.vocab
-                         for b, p in enumerate(want)]).float()
-        tokens = torch.multinomial(q, 1, generator=generator).squeeze(1)
-        return DraftResult(drafts=tokens[:, None], draft_probs=q[:, None], hidden=hidden[:, -1])
-
-    def check_rows(self, sequences, prompt_mask, target, eos=None):
-        """Every non-padding row fed must be (target hidden at P, committed token at P + 1) of the final output."""
-        batch, prompt_len = prompt_mask.shape
-        full_mask = torch.cat([prompt_mask, torch.ones(batch, sequences.shape[1] - prompt_len, dtype=torch.long)], 1)
-        ref_hidden = target.model(input_ids=sequences, attention_mask=full_mask).last_hidden_state
-        pad_left = (prompt_len - prompt_mask.sum(1)).tolist()
-        checked = 0
-        for ids, pos, hid in self.calls:
-            for b in range(ids.shape[0]):
-                for t in range(ids.shape[1]):
-                    p = int(pos[b, t])
-                    if p < 0:
-                        continue
-                    col = p + pad_left[b]
-                    assert int(ids[b, t]) == int(sequences[b, col + 1]), (b, p)
-                    torch.testing.assert_close(hid[b, t], ref_hidden[b, col], atol=2e-5, rtol=1e-4)
-                    checked += 1
-        return checked
 
 
 def random_prompts(rng: random.Random, n, lo, hi, vocab=120):
