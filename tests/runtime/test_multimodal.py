@@ -171,9 +171,10 @@ def test_rows_are_given_while_a_rerun_row_reads_a_tower_row(tiny8_target_and_mtp
         assert [bool(kwargs) for _, kwargs in drafter.calls[:2]] == expected, text
 
 
-def test_cli_decodes_an_image_and_audio_prompt(capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # its patches in the vision tower's dtype
+def test_cli_decodes_an_image_and_audio_prompt(capsys, dtype):
     code = generate_cli(["--no-compile", "--no-warmup", "--check", "--batch", "2", "--ragged", "--prompt-len", "6",
-                         "--max-new-tokens", "4", "--ignore-eos", "--image", "3", "--audio", "2"])
+                         "--max-new-tokens", "4", "--ignore-eos", "--image", "3", "--audio", "2", "--dtype", dtype])
     printed = capsys.readouterr().out
     assert code == 0 and "greedy generate() match: True" in printed and "image patches 3, audio frames 2" in printed
 
