@@ -153,6 +153,8 @@ def device(value, name: str = "device", *, runs: bool = False) -> torch.device |
         raise ArgumentError(f"{name}={value!r} is not usable: {reason}") from e
     if runs and resolved.type == "meta":
         raise ArgumentError(f"{name}={value!r} is not usable: a meta device holds no data to run on")
+    if resolved.type == "cpu" and resolved.index not in (None, 0):  # torch puts its tensors on 'cpu' all the same
+        raise ArgumentError(f"{name}={value!r} is not usable: torch has one CPU device, 'cpu'")
     return resolved
 
 

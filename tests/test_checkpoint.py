@@ -228,10 +228,12 @@ def test_an_opened_checkpoint_is_immutable(sharded):
     assert opened.config.num_depths == 1 and opened.stored_depths == 2
 
 
-@pytest.mark.parametrize("n", [0, 3])
-def test_num_depths_out_of_range(sharded, n):
-    with pytest.raises(CheckpointError, match=rf"num_depths={n} but the checkpoint has 2 MTP depth\(s\)"):
-        InklingMTP.from_pretrained(sharded, num_depths=n)
+def test_num_depths_out_of_range(sharded):
+    with pytest.raises(CheckpointError, match=r"num_depths=3 but the checkpoint has 2 MTP depth\(s\)"):
+        InklingMTP.from_pretrained(sharded, num_depths=3)
+    for n in (0, -1):  # no depth at all is no count the checkpoint could hold
+        with pytest.raises(ValueError, match=rf"^num_depths must be >= 1 \(or None: every depth\), got {n}$"):
+            InklingMTP.from_pretrained(sharded, num_depths=n)
 
 
 def test_dtype_conversion(sharded, ref):
@@ -785,6 +787,7 @@ def test_num_depths_type(sharded, num_depths, message):
     ("cuda:x", r"Invalid device string"),
     ("gpu", r"Expected one of cpu, cuda"),
     ([0], r""),
+    ("cpu:1", r"torch has one CPU device, 'cpu'"),  # (loading took it, then the target on 'cpu' did not match)
 ])
 def test_invalid_device(sharded, device, message):
     with pytest.raises(ValueError, match=rf"^device={re.escape(repr(device))} is not usable: {message}"):

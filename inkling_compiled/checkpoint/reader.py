@@ -52,7 +52,9 @@ def _check_num_depths(num_depths, stored: int) -> None:
         return
     if isinstance(num_depths, bool) or not hasattr(type(num_depths), "__index__"):
         raise ArgumentError(f"num_depths must be an int or None, got {num_depths!r}")
-    if not 1 <= num_depths <= stored:
+    if num_depths < 1:
+        raise ArgumentError(f"num_depths must be >= 1 (or None: every depth), got {num_depths!r}")
+    if num_depths > stored:
         raise CheckpointError(f"num_depths={num_depths} but the checkpoint has {stored} MTP depth(s)")
 
 
