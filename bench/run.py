@@ -350,17 +350,21 @@ def load_result(path: Path) -> dict:
 
 def report_command(a: argparse.Namespace) -> int:
     result = load_result(a.result)
-    print(f"{a.result}: {'partial' if result['partial'] else 'complete'}, completed {result['completed']}")
-    print(format_table(result))
-    if a.no_image:
-        return 0
     out = a.out or a.result.with_suffix(".png")
     try:
-        drawn = plots.draw_report(result, out)
+        table = format_table(result)
+        drawn = None if a.no_image else plots.draw_report(result, out)
     except ImportError:  # matplotlib, the plots extra
         raise SystemExit(plots.MISSING_HINT.format(json=a.result)) from None
     except OSError as e:
         raise SystemExit(f"cannot write {out}: {e.strerror or e}; choose another place with --out") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # the schema's tag, other contents
+        raise SystemExit(f"{a.result} does not hold what a `python -m bench run` of schema {SCHEMA_ID} writes "
+                         f"(edited?): {type(e).__name__} {e}") from None
+    print(f"{a.result}: {'partial' if result['partial'] else 'complete'}, completed {result['completed']}")
+    print(table)
+    if drawn is None:
+        return 0
     print(drawn.path or f"nothing to draw (not measured: {'; '.join(drawn.left_out)})")
     return 0
 

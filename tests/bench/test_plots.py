@@ -265,10 +265,16 @@ def test_report_command_names_what_is_wrong(tmp_path, monkeypatch):
     (tmp_path / "old.json").write_text(json.dumps(old))
     with pytest.raises(SystemExit, match=r"not a `python -m bench run` result of schema .* 'inkling-bench/1'"):
         report_(tmp_path / "old.json")
+    edited = synthetic_result()
+    del edited["configs"]["tiny"]["latency"]["batches"]
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    with pytest.raises(SystemExit, match=r"edited.json does not hold what a `python -m bench run` of schema "
+                                         r"inkling-bench/\d+ writes \(edited\?\): KeyError 'batches'"):
+        report_(tmp_path / "edited.json")
     (tmp_path / "good.json").write_text(json.dumps(synthetic_result()))
     with pytest.raises(SystemExit, match=r"cannot write .*good.json/report.png: .*; choose another place with --out"):
         report_(tmp_path / "good.json", "--out", str(tmp_path / "good.json" / "report.png"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["garbled.json", "good.json", "old.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited.json", "garbled.json", "good.json", "old.json"]
     _hide_matplotlib(monkeypatch)
     with pytest.raises(SystemExit, match=r"matplotlib is not installed.*pip install -e '\.\[plots\]'"):
         report_(tmp_path / "good.json")
