@@ -188,6 +188,14 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def ids_below(name: str, ids: torch.Tensor, limit: int, table: str, what: str = "id") -> None:
+    """ArgumentError naming an id of ``ids`` outside [0, ``limit``) of the ``table`` they index (an index error
+    inside the embedding, a device assert on CUDA); one host sync for both ends."""
+    low, high = torch.stack(torch.aminmax(ids)).tolist() if ids.numel() else (0, 0)
+    if low < 0 or high >= limit:
+        raise ArgumentError(f"{name} hold {what} {low if low < 0 else high}, outside {table} [0, {limit})")
+
+
 def integer_tensor(name: str, value, *, ndim: int) -> torch.Tensor:
     """A tensor of ``ndim`` dims of any integer dtype, as int64 (converted once, here: a uint8 tensor is then never
     taken for a boolean mask, nor an int16 one refused deep inside an index op)."""

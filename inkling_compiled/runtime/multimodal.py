@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..arguments import ArgumentError, integer_tensor
+from ..arguments import ArgumentError, ids_below, integer_tensor
 
 # generate()'s keyword arguments that carry a prompt's image and audio inputs
 MULTIMODAL_KWARGS = ("pixel_values", "audio_input_ids", "audio_input_ids_mask", "mm_encoder_outputs")
@@ -90,10 +90,7 @@ def _checked_media(target, pixel_values, audio_input_ids, audio_input_ids_mask):
         if audio_input_ids.shape[-1] != audio.num_codebooks or audio_input_ids.device != embedding.device:
             raise ArgumentError(f"audio_input_ids must be on {embedding.device} of shape [audios, frames, "
                                 f"{audio.num_codebooks}] (the target's codebooks), got {_described(audio_input_ids)}")
-        low, high = torch.stack(torch.aminmax(audio_input_ids)).tolist() if audio_input_ids.numel() else (0, 0)
-        if low < 0 or high >= audio.codebook_size:
-            raise ArgumentError(f"audio_input_ids hold id {low if low < 0 else high}, outside the codebook "
-                                f"[0, {audio.codebook_size})")
+        ids_below("audio_input_ids", audio_input_ids, audio.codebook_size, "the codebook")
     mask = audio_input_ids_mask
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != audio_input_ids.shape[:2]
                              or not bool(((mask == 0) | (mask == 1)).all())):

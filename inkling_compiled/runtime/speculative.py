@@ -185,10 +185,7 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     pad = arguments.token_id("pad_token_id", (eos[0] if eos else 0) if pad_token_id is None else pad_token_id,
                              text.vocab_size, " (finished rows feed it to the target, padding rows to the drafter)")
     # every id is embedded, padding included: one outside the table is an index error (on CUDA, a device assert)
-    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync for both
-    if low < 0 or high >= text.vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(f"input_ids hold token id {bad}, outside the target's vocabulary [0, {text.vocab_size})")
+    arguments.ids_below("input_ids", input_ids, text.vocab_size, "the target's vocabulary", what="token id")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids, dtype=torch.long)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
