@@ -126,13 +126,18 @@ def _presets(value: str) -> tuple[str, ...]:
 
 
 def _device(value: str) -> str:
-    """cpu or cuda[:N] (what the sections compare against), refused when it does not parse."""
+    """cpu or cuda[:N] (what the sections compare against), usable here (``arguments.device``: an absent CUDA or
+    index is refused now, not in the first section)."""
     try:
         kind = torch.device(value).type
     except RuntimeError:
         kind = None
     if kind not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"must be cpu or cuda (cuda:N), got {value!r}")
+    try:
+        arguments.device(value, runs=True)
+    except arguments.ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return "cpu" if kind == "cpu" else value
 
 
@@ -207,8 +212,6 @@ def parse_args(argv=None) -> Settings:
         p.error(f"argument --record: {str(s.record)!r} must be a file in an existing directory")
     if s.json_path is not None and s.json_path.is_dir():
         p.error(f"argument --json: {str(s.json_path)!r} is a directory; name the file")
-    if s.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda but torch.cuda.is_available() is False")
     level = 0 if s.quick else 2 if s.full else 1
     for name, counts in COUNTS.items():
         setattr(s, name, counts[level] if getattr(s, name) is None else getattr(s, name))

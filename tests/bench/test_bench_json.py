@@ -140,6 +140,7 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     (["--config", "nope"], "argument --config: unknown name(s) ['nope']"),
     (["--config", ","], "argument --config: must name one or more presets"),
     (["--device", "tpu"], "argument --device: must be cpu or cuda (cuda:N), got 'tpu'"),
+    (["--device", "cuda:99"], "argument --device: device='cuda:99' is not usable"),  # no machine has 100 GPUs
     (["--e2e-checkpoint", "/no/such/dir"], "argument --e2e-checkpoint: '/no/such/dir' is not a directory"),
     (["--record", "/no/such/dir/RESULTS.md"], "argument --record: '/no/such/dir/RESULTS.md' must be a file in an "
                                               "existing directory"),
