@@ -322,8 +322,8 @@ def run_e2e(checkpoint, cfg: E2EConfig, *, prompts: torch.Tensor | None = None, 
 
     kind = "compiled" if cfg.compiled else "eager"
     drafters = {f"ours_{kind}_k{k}": d for k, d in by_k.items()}
-    if cfg.eager:
-        drafters.setdefault("ours_eager_k1", up.drafter(1, False))
+    if cfg.eager and "ours_eager_k1" not in drafters:
+        drafters["ours_eager_k1"] = up.drafter(1, False)
     methods = {"target": generate(gconfig), **({"target_loop": loop} if cfg.target_loop else {}),
                **({"hf_mtp": generate(gconfig_mtp, count_hf_matches)} if cfg.hf_mtp else {}),
                **{n: ours(d) for n, d in drafters.items()}}

@@ -394,7 +394,8 @@ def main(argv=None) -> int:
     try:
         _check_arguments(params)
     except arguments.ArgumentError as e:
-        parser.error(f"--{str(e).replace('_', '-')}")  # "--steps must be an int >= 1, got -1"
+        name, _, rest = str(e).partition(" ")
+        parser.error(f"--{name.replace('_', '-')} {rest}")  # "--num-sequences must be an int >= 1, got 0"
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpoint = Path(args.checkpoint) if args.checkpoint else cached_checkpoint(args.config)
