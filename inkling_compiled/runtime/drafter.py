@@ -33,12 +33,13 @@ muP-correct draft distribution of each depth, returned for verification.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, get_origin, runtime_checkable
 
 import torch
 
@@ -89,6 +90,8 @@ def _compile_options(compile_options, on_cuda: bool, model_options: dict) -> dic
     inductor = options.get("options") or {}
     if not isinstance(inductor, dict):
         raise ValueError(f"compile_options['options'] must be a dict of Inductor options, got {inductor!r}")
+    _check_backend(options.get("backend", "inductor"))
+    _check_inductor_options(inductor)
     if options.get("mode") is not None and options.get("backend", "inductor") == "inductor":
         inductor = {**_mode_options(options.pop("mode"), given=bool(inductor)), **inductor}
     inductor = {**model_options, **inductor}
@@ -97,6 +100,37 @@ def _compile_options(compile_options, on_cuda: bool, model_options: dict) -> dic
     if inductor:
         options["options"] = inductor
     return options
+
+
+def _check_backend(backend) -> None:
+    """A backend name torch.compile knows, or a callable: checked when the Drafter is built (torch checks it only
+    at the first draft). Dynamo is imported only for a name the caller gave."""
+    if callable(backend) or backend == "inductor":
+        return
+    from torch._dynamo import list_backends
+
+    names = list_backends(exclude_tags=())
+    if not isinstance(backend, str) or backend not in names:
+        raise ValueError(f"compile_options['backend'] must be a callable or one of {names}, got {backend!r}")
+
+
+def _check_inductor_options(given: dict) -> None:
+    """The caller's Inductor options checked by name and type when the Drafter is built, as torch.compile checks
+    them at the first draft, naming the near names instead of listing all of Inductor's options."""
+    if not given:
+        return
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    for key, value in given.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name not in known:
+            near = difflib.get_close_matches(str(name), list(known), n=3)
+            raise ValueError(f"compile_options['options'] names no Inductor option {key!r}"
+                             + (f" (close: {', '.join(near)})" if near else ""))
+        kind = config.get_type(name)
+        if get_origin(kind) is None and isinstance(kind, type) and not isinstance(value, kind):
+            raise ValueError(f"compile_options['options'][{key!r}] must be a {kind.__name__}, got {value!r}")
 
 
 def _mode_options(mode, given: bool) -> dict:

@@ -159,6 +159,12 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
      r"break chained depths \(docs/compile.md §8\): use the Drafter's own \(cuda_graphs=True\)"),
     (dict(compile_options={"dynamic": "x"}), r"compile_options\['dynamic'\] must be a bool or None, got 'x'"),
     (dict(compile_options={"fullgraph": 1}), r"compile_options\['fullgraph'\] must be a bool, got 1"),
+    (dict(compile_options={"backend": "nope"}), r"compile_options\['backend'\] must be a callable or one of \[.*"
+     r"'inductor'.*\], got 'nope'"),
+    (dict(compile_options={"options": {"max_autotun": True}}), r"compile_options\['options'\] names no Inductor "
+     r"option 'max_autotun' \(close: max_autotune"),
+    (dict(compile_options={"options": {"freezing": "yes"}}), r"compile_options\['options'\]\['freezing'\] must be "
+     r"a bool, got 'yes'"),
     (dict(compile="yes"), "compile must be a bool, got 'yes'"),
     (dict(cuda_graphs=1), "cuda_graphs must be a bool or None, got 1"),
 ])
