@@ -44,8 +44,8 @@ class Models:
                 "mtp_parameters": sum(p.numel() for n, p in self.mtp.named_parameters() if n.startswith("layers."))}
 
 
-def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str | None = None, peer: bool = True,
-                seed: int = 0) -> Models:
+def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str | None = None,
+                peer: bool = True) -> Models:
     """Build ``preset``'s models on ``device`` in ``dtype`` (see module doc); ``peer=False`` skips transformers."""
     device, weights = torch.device(device), weights or ("random" if preset == "full" else "checkpoint")
     if weights not in ("checkpoint", "random"):
@@ -56,15 +56,15 @@ def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str 
         raw = preset_config(preset, **overrides)
         hf_config = InklingConfig.from_dict(raw)
         if peer:
-            torch.manual_seed(seed)
+            torch.manual_seed(0)
             with torch.device(device):
                 target = InklingForConditionalGeneration._from_config(hf_config, dtype=dtype)
                 hf_mtp = MtpModel(target, hf_config.text_config.num_mtp_layers).to(dtype)
         with torch.device("meta"):
             mtp = InklingMTP(MTPConfig.from_hf(hf_config, raw=raw))
-        mtp = randomize_(mtp.to_empty(device=device).to(dtype), seed, mup=mtp.config.mup)  # the checkpoints' scales
+        mtp = randomize_(mtp.to_empty(device=device).to(dtype), 0, mup=mtp.config.mup)  # the checkpoints' scales
     else:
-        path = cached_checkpoint(preset, seed=seed, **overrides)
+        path = cached_checkpoint(preset, **overrides)
         if peer:
             target = load_hf_target(path, dtype=dtype).to(device)
             hf_mtp = load_hf_mtp(target).to(device=device, dtype=dtype)

@@ -75,7 +75,7 @@ def measure(ctx: Context) -> Quant:
             built[name] = {"step_bytes": S.step_bytes(models, record.batch, s.context)["total"], "compile_s": compile_s}
         except Exception as e:  # noqa: BLE001 - one scheme failing must not lose the others
             progress(f"{tag}: {name} FAILED: {type(e).__name__}: {e}")
-            record.errors[name] = error_text(e)[:1000]
+            record.errors[name] = error_text(e)
     progress(f"{tag}: timing {', '.join(steps)}")
     stats = time_variants(steps, device=device, budget_s=s.time_budget)
     record.fp32_floor_ms = stats[FLOOR].median_ms

@@ -18,8 +18,8 @@ def _get(node: dict, *path):
     return node
 
 
-def median(result: dict, preset: str, variant: str, batch: str = "1") -> float | None:
-    return _get(result, "configs", preset, "latency", "batches", batch, "variants", variant, "median_ms")
+def median(result: dict, preset: str, variant: str) -> float | None:
+    return _get(result, "configs", preset, "latency", "batches", "1", "variants", variant, "median_ms")
 
 
 def _over(a: float | None, b: float | None) -> float | None:
