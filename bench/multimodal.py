@@ -1,4 +1,4 @@
-"""The ``multimodal`` section (``--full``; issue 24): acceptance on image prompts, the drafter's prefill fed the
+"""The ``multimodal`` section (``--full``): acceptance on image prompts, the drafter's prefill fed the
 target's merged rows vs the placeholder ids; ``generate(custom_generate=...)``'s cost (docs/protocol.md §6.11)."""
 
 from __future__ import annotations

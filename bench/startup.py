@@ -1,4 +1,4 @@
-"""The ``startup`` section (CPU, issue 26): fresh processes from their spawn through ``import torch`` and ``import
+"""The ``startup`` section (CPU): fresh processes from their spawn through ``import torch`` and ``import
 inkling_compiled`` to their first packaged draft; the K-depth round's variants timed (docs/compile.md §12.1)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Property-based sweeps of the public boundaries (issue 22): over every torch dtype, small shapes and hostile values,
+"""Property-based sweeps of the public boundaries: over every torch dtype, small shapes and hostile values,
 ``InklingMTP.forward`` and ``Drafter.draft`` either give the answer of the same call in int64, or raise a ValueError
 naming the argument; over arbitrary Python values, every scalar argument of ``speculative_generate`` is accepted or
 refused by name before any model call. Never an error from inside torch.

@@ -1,4 +1,4 @@
-"""Every public argument of every entry point is checked once, at the boundary (issue 22): a bad value is an error
+"""Every public argument of every entry point is checked once, at the boundary: a bad value is an error
 naming the argument and the value before any model call, never a crash from inside torch or a silent
 reinterpretation; what the contract accepts (every integer dtype for ids and positions) gives the int64 answer.
 
