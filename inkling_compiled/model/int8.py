@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..arguments import ArgumentError
 from . import torchao_schemes
 
 SCHEMES = ("int8",)
@@ -46,29 +47,29 @@ class Quantization:
 
 
 def check_scheme(scheme) -> None:
-    """TypeError / ValueError naming the problem unless ``scheme`` names a scheme offered here or is a torchao
+    """ArgumentError naming the problem unless ``scheme`` names a scheme offered here or is a torchao
     config (``model/torchao_schemes.py``)."""
     if torchao_schemes.is_config(scheme):
         return
     if not isinstance(scheme, str):
-        raise TypeError(f"quantize must be a scheme name {list(SCHEMES)}, a torchao config instance, or None, got "
-                        f"{type(scheme).__name__} {scheme!r}")
+        raise ArgumentError(f"quantize must be a scheme name {list(SCHEMES)}, a torchao config instance, or None, got "
+                            f"{type(scheme).__name__} {scheme!r}")
     if scheme in NO_KERNEL:
-        raise ValueError(f"quantization scheme {scheme!r} is not offered: {NO_KERNEL[scheme]}; use 'int8'")
+        raise ArgumentError(f"quantization scheme {scheme!r} is not offered: {NO_KERNEL[scheme]}; use 'int8'")
     if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}: choose from {list(SCHEMES)} or pass a torchao "
-                         f"config instance ({torchao_schemes.INSTALL_HINT})")
+        raise ArgumentError(f"unknown quantization scheme {scheme!r}: choose from {list(SCHEMES)} or pass a torchao "
+                            f"config instance ({torchao_schemes.INSTALL_HINT})")
 
 
 def check_runs_int8(device: torch.device, dtype: torch.dtype) -> None:
-    """ValueError unless a model on ``device`` with ``dtype`` activations has int8 weight-only kernels."""
+    """ArgumentError unless a model on ``device`` with ``dtype`` activations has int8 weight-only kernels."""
     if device.type not in DEVICES:
-        raise ValueError(f"int8 weight-only drafting has kernels on {' and '.join(DEVICES)}, not on {device}")
+        raise ArgumentError(f"int8 weight-only drafting has kernels on {' and '.join(DEVICES)}, not on {device}")
     if dtype != ACTIVATION_DTYPE:
-        raise ValueError(f"int8 weight-only drafting runs with bfloat16 activations, this model runs in {dtype}: "
-                         "with float32 activations no int8 kernel applies (the weight would be converted on every "
-                         "call, over 10x slower than float32); load with dtype=torch.bfloat16 or call "
-                         ".to(torch.bfloat16) before quantizing (with target=, the target must be bfloat16)")
+        raise ArgumentError(f"int8 weight-only drafting runs with bfloat16 activations, this model runs in {dtype}: "
+                            "with float32 activations no int8 kernel applies (the weight would be converted on every "
+                            "call, over 10x slower than float32); load with dtype=torch.bfloat16 or call "
+                            ".to(torch.bfloat16) before quantizing (with target=, the target must be bfloat16)")
 
 
 def quantize_rows(weight: torch.Tensor, multiplier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import arguments
+from ..arguments import ArgumentError
 from ..checkpoint.layout import SHARED_KEYS, CheckpointError
 from ..checkpoint.reader import open_checkpoint
 from ..checkpoint.writer import save_checkpoint
@@ -94,8 +95,8 @@ class InklingMTP(nn.Module):
         """
         parallel = TensorParallel.from_mesh(device_mesh) if device_mesh is not None else None
         if parallel is not None and quantize is not None:
-            raise ValueError(f"quantize={quantize!r} with device_mesh=: quantized tensor-parallel models are not "
-                             "supported; load unquantized, or without a mesh")
+            raise ArgumentError(f"quantize={quantize!r} with device_mesh=: quantized tensor-parallel models are not "
+                                "supported; load unquantized, or without a mesh")
         if quantize is not None:
             int8.check_scheme(quantize)
             arguments.check_bool("quantize_head", quantize_head)

@@ -26,6 +26,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from ..arguments import ArgumentError
 from ..checkpoint.layout import Shard
 from ..config import MTPConfig
 
@@ -62,33 +63,33 @@ class TensorParallel:
 
     @classmethod
     def from_mesh(cls, mesh) -> TensorParallel:
-        """The tensor-parallel view of a 1-D ``DeviceMesh``; ValueError for anything else."""
+        """The tensor-parallel view of a 1-D ``DeviceMesh``; ArgumentError for anything else."""
         from torch.distributed.device_mesh import DeviceMesh
 
         if not isinstance(mesh, DeviceMesh):
-            raise ValueError(f"device_mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+            raise ArgumentError(f"device_mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
         if mesh.ndim != 1:
-            raise ValueError(f"device_mesh must be 1-D (the tensor-parallel ranks), got shape {tuple(mesh.shape)}")
+            raise ArgumentError(f"device_mesh must be 1-D (the tensor-parallel ranks), got shape {tuple(mesh.shape)}")
         if mesh.get_coordinate() is None:
-            raise ValueError(f"this process (rank {torch.distributed.get_rank()}) is not in device_mesh "
-                             f"{mesh.mesh.tolist()}")
+            raise ArgumentError(f"this process (rank {torch.distributed.get_rank()}) is not in device_mesh "
+                                f"{mesh.mesh.tolist()}")
         return cls(mesh.get_group().group_name, mesh.get_local_rank(), mesh.size())
 
     # -- the plan ------------------------------------------------------------------------------------------------
 
     def check(self, config: MTPConfig) -> None:
-        """ValueError naming every size the group cannot split into whole heads, MLP channels or vocab rows."""
+        """ArgumentError naming every size the group cannot split into whole heads, MLP channels or vocab rows."""
         t = self.world_size
         sizes = {"vocab_size": config.vocab_size, "intermediate_size": config.intermediate_size}
         for i, g in enumerate(config.depths):
             sizes[f"depth {i} heads"], sizes[f"depth {i} kv heads"] = g.num_heads, g.num_kv_heads
         bad = [f"{name} {n}" for name, n in sizes.items() if n % t]
         if bad:
-            raise ValueError(f"tensor parallelism over {t} ranks splits whole heads, MLP channels and vocab rows, but "
-                             f"these are not multiples of {t}: {', '.join(bad)}")
+            raise ArgumentError(f"tensor parallelism over {t} ranks splits whole heads, MLP channels and vocab rows, "
+                                f"but these are not multiples of {t}: {', '.join(bad)}")
         if self.vocab_rows(config)[0] >= config.logits_vocab_size:
-            raise ValueError(f"rank {self.rank} of {t} would hold only padded vocab rows (logits_vocab_size "
-                             f"{config.logits_vocab_size} of {config.vocab_size}): use fewer ranks")
+            raise ArgumentError(f"rank {self.rank} of {t} would hold only padded vocab rows (logits_vocab_size "
+                                f"{config.logits_vocab_size} of {config.vocab_size}): use fewer ranks")
 
     def local_config(self, config: MTPConfig) -> MTPConfig:
         """The config of what this rank computes: its share of every depth's heads and MLP channels (the hidden
@@ -125,7 +126,7 @@ class TensorParallel:
     def head_rows(self, head: torch.Tensor, config: MTPConfig) -> torch.Tensor:
         """This rank's vocab rows of the target's LM head, with no copy: a view of a replicated head, or the local
         block of a DTensor head split by rows over the same ranks (a transformers target loaded with
-        :data:`TARGET_TP_PLAN`). ValueError for a head split any other way (transformers' default plan splits it
+        :data:`TARGET_TP_PLAN`). ArgumentError for a head split any other way (transformers' default plan splits it
         along the hidden dim)."""
         shard = self.shards(config)["lm_head_weight"]
         placements = getattr(head, "placements", None)
@@ -136,10 +137,10 @@ class TensorParallel:
         mesh = head.device_mesh
         if (tuple(placements) != (RowSplit(0),) or mesh.size() != self.world_size
                 or mesh.get_local_rank() != self.rank):
-            raise ValueError(f"the target's LM head is a DTensor placed {tuple(placements)} over {mesh.size()} ranks; "
-                             f"the draft head shares it only split by vocab rows (Shard(0)) over its own "
-                             f"{self.world_size} ranks: load the target with DistributedConfig(tp_size="
-                             f"{self.world_size}, tp_plan=TARGET_TP_PLAN) (inkling_compiled.model.tensor_parallel)")
+            raise ArgumentError(f"the target's LM head is a DTensor placed {tuple(placements)} over {mesh.size()} "
+                                f"ranks; the draft head shares it only split by vocab rows (Shard(0)) over its own "
+                                f"{self.world_size} ranks: load the target with DistributedConfig(tp_size="
+                                f"{self.world_size}, tp_plan=TARGET_TP_PLAN) (inkling_compiled.model.tensor_parallel)")
         return head.detach().to_local()
 
     # -- communication ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import arguments
+from ..arguments import ArgumentError
 from . import int8
 from .cache import MTPCache
 
@@ -44,7 +45,7 @@ def check_inputs(model: nn.Module, input_ids: torch.Tensor | None, positions: to
                  previous_hidden: torch.Tensor, cache: MTPCache | None = None, depth: int = 0,
                  inputs_embeds: torch.Tensor | None = None, *, drafting: bool = False
                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(input_ids, positions)`` as int64, or ValueError naming the problem for any bad argument, shape, dtype,
+    """``(input_ids, positions)`` as int64, or ArgumentError naming the problem for any bad argument, shape, dtype,
     device, id, position or value.
 
     Padding rows are those at ``cache.pad_position``; their positions and hidden values are not checked.
@@ -54,16 +55,16 @@ def check_inputs(model: nn.Module, input_ids: torch.Tensor | None, positions: to
     check_parameters(model)
     h, n = model.config.hidden_size, model.config.num_depths
     if not arguments.is_int(depth):
-        raise ValueError(f"depth must be an int in [0, {n}), got {depth!r}")
+        raise ArgumentError(f"depth must be an int in [0, {n}), got {depth!r}")
     if not 0 <= depth < n:
-        raise ValueError(f"depth {depth} out of range: this model has {n} MTP depth(s)")
+        raise ArgumentError(f"depth {depth} out of range: this model has {n} MTP depth(s)")
     if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        raise ArgumentError("pass exactly one of input_ids and inputs_embeds")
     positions = arguments.integer_tensor("positions", positions, ndim=2)
     _check_device("positions", positions, model.device)
     batch, seq = positions.shape
     if batch == 0 or seq == 0:
-        raise ValueError(f"positions has no rows (shape {tuple(positions.shape)}): need B >= 1 and T >= 1")
+        raise ArgumentError(f"positions has no rows (shape {tuple(positions.shape)}): need B >= 1 and T >= 1")
     if input_ids is not None:
         input_ids = arguments.integer_tensor("input_ids", input_ids, ndim=2)
         _check_tensor("input_ids", input_ids, device=model.device, shape=(batch, seq))
@@ -86,19 +87,19 @@ def check_inputs(model: nn.Module, input_ids: torch.Tensor | None, positions: to
 
 def _check_cache(model: nn.Module, cache: MTPCache, batch: int) -> None:
     if not isinstance(cache, MTPCache):
-        raise ValueError(f"cache must be an MTPCache (from new_cache), got {type(cache).__name__}")
+        raise ArgumentError(f"cache must be an MTPCache (from new_cache), got {type(cache).__name__}")
     if batch > cache.batch_size:
-        raise ValueError(f"batch of {batch} sequences exceeds the cache's batch_size {cache.batch_size}")
+        raise ArgumentError(f"batch of {batch} sequences exceeds the cache's batch_size {cache.batch_size}")
     if len(cache.depths) != model.config.num_depths:
-        raise ValueError(f"cache has {len(cache.depths)} depth(s), the model {model.config.num_depths}")
+        raise ArgumentError(f"cache has {len(cache.depths)} depth(s), the model {model.config.num_depths}")
     k = cache.depths[0].k
     if k.device != model.device or k.dtype != model.dtype:
-        raise ValueError(f"cache is {k.dtype} on {k.device}, the model {model.dtype} on {model.device}")
+        raise ArgumentError(f"cache is {k.dtype} on {k.device}, the model {model.dtype} on {model.device}")
     for i, (d, g) in enumerate(zip(cache.depths, model.local_config.depths)):
         got, want = (*d.k.shape[2:], d.conv_attn.shape[-1]), (g.num_kv_heads, g.head_dim, model.config.hidden_size)
         if got != want:
-            raise ValueError(f"cache depth {i} holds (kv heads, head dim, hidden) {got}, the model's depth {i} "
-                             f"needs {want}: the cache was built for another model")
+            raise ArgumentError(f"cache depth {i} holds (kv heads, head dim, hidden) {got}, the model's depth {i} "
+                                f"needs {want}: the cache was built for another model")
 
 
 def _check_values(model, input_ids, inputs_embeds, positions, previous_hidden, padding, cache, note, drafting) -> None:
@@ -122,40 +123,40 @@ def _check_values(model, input_ids, inputs_embeds, positions, previous_hidden, p
     lo, hi, last_first = values.pop(0), values.pop(0), values.pop(0)
     if drafting and last_first == none:
         row = int((first == none).nonzero()[0, 0])
-        raise ValueError(f"sequence {row} has no real row (all its positions are negative): nothing to draft from")
+        raise ArgumentError(f"sequence {row} has no real row (all its positions are negative): nothing to draft from")
     if input_ids is not None:
         lo_id, hi_id = values.pop(0), values.pop(0)
         vocab = model.embed_weight.shape[0]
         if lo_id < 0 or hi_id >= vocab:
-            raise ValueError(f"token id {lo_id if lo_id < 0 else hi_id} out of range: ids must be in [0, {vocab}) "
+            raise ArgumentError(f"token id {lo_id if lo_id < 0 else hi_id} out of range: ids must be in [0, {vocab}) "
                              "(the embedding table's rows)")
     if lo < 0:
-        raise ValueError(f"position {lo} is negative")
+        raise ArgumentError(f"position {lo} is negative")
     for (name, bad), count in zip(nonfinite.items(), values):
         if count:
             b, t = bad.nonzero()[0].tolist()
-            raise ValueError(f"{name} holds a NaN or inf at sequence {b}, row {t} (position "
-                             f"{int(positions[b, t])}): the inputs of real rows must be finite")
+            raise ArgumentError(f"{name} holds a NaN or inf at sequence {b}, row {t} (position "
+                                f"{int(positions[b, t])}): the inputs of real rows must be finite")
     if cache is None:
         return
     if hi >= cache.max_length:
-        raise ValueError(f"position {hi} is past the cache capacity: max_length is {cache.max_length} "
-                         f"(positions 0..{cache.max_length - 1}; {note})")
+        raise ArgumentError(f"position {hi} is past the cache capacity: max_length is {cache.max_length} "
+                            f"(positions 0..{cache.max_length - 1}; {note})")
     if values[-1]:
         row = int(broken.any(dim=1).nonzero()[0])
-        raise ValueError(f"sequence {row}: positions {positions[row][real[row]].tolist()} are not consecutive; "
-                         f"with a cache the real rows of a sequence are consecutive positions ({note})")
+        raise ArgumentError(f"sequence {row}: positions {positions[row][real[row]].tolist()} are not consecutive; "
+                            f"with a cache the real rows of a sequence are consecutive positions ({note})")
 
 
 def check_hidden(model: nn.Module, hidden) -> None:
     """The head's input: a tensor [..., H] in the model's dtype and on its device (else a matmul error, or an
     integer hidden silently promoted)."""
     if not isinstance(hidden, torch.Tensor):
-        raise ValueError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+        raise ArgumentError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
     if hidden.dim() < 1 or hidden.shape[-1] != model.config.hidden_size:
-        raise ValueError(f"hidden has shape {tuple(hidden.shape)}, expected (..., {model.config.hidden_size})")
+        raise ArgumentError(f"hidden has shape {tuple(hidden.shape)}, expected (..., {model.config.hidden_size})")
     if hidden.dtype != model.dtype:
-        raise ValueError(f"hidden has dtype {hidden.dtype}, the model runs in {model.dtype}")
+        raise ArgumentError(f"hidden has dtype {hidden.dtype}, the model runs in {model.dtype}")
     _check_device("hidden", hidden, model.device)
 
 
@@ -165,17 +166,17 @@ def _some(names: list[str], shown: int = 3) -> str:
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the model on {device}")
+        raise ArgumentError(f"{name} is on {t.device}, the model on {device}")
 
 
 def _check_tensor(name: str, t, *, device: torch.device, shape: tuple[int, ...], ndim: int | None = None,
                   dtype: torch.dtype | None = None) -> None:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+        raise ArgumentError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        raise ArgumentError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
     if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} has dtype {t.dtype}, the model runs in {dtype}")
+        raise ArgumentError(f"{name} has dtype {t.dtype}, the model runs in {dtype}")
     _check_device(name, t, device)

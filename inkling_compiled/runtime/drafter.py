@@ -44,6 +44,7 @@ from typing import Protocol, get_origin, runtime_checkable
 import torch
 
 from .. import arguments
+from ..arguments import ArgumentError
 from ..model.mtp import InklingMTP
 from ..torch_version import BEFORE_2_13
 from . import packaged, round_cache
@@ -79,17 +80,17 @@ def _compile_options(compile_options, on_cuda: bool, model_options: dict) -> dic
     if compile_options is None:
         compile_options = {}
     if not isinstance(compile_options, dict):
-        raise ValueError(f"compile_options must be a dict of torch.compile arguments, got {compile_options!r}")
+        raise ArgumentError(f"compile_options must be a dict of torch.compile arguments, got {compile_options!r}")
     accepted = set(inspect.signature(torch.compile).parameters) - {"model"}
     unknown = sorted(set(compile_options) - accepted)
     if unknown:
-        raise ValueError(f"compile_options {unknown} are not torch.compile arguments (those are {sorted(accepted)})")
+        raise ArgumentError(f"compile_options {unknown} are not torch.compile arguments (those are {sorted(accepted)})")
     options = {"fullgraph": True, "dynamic": False, **compile_options}
     arguments.check_bool("compile_options['fullgraph']", options["fullgraph"])  # torch.compile checks them only
     arguments.check_bool("compile_options['dynamic']", options["dynamic"], optional=True)  # at the first draft
     inductor = options.get("options") or {}
     if not isinstance(inductor, dict):
-        raise ValueError(f"compile_options['options'] must be a dict of Inductor options, got {inductor!r}")
+        raise ArgumentError(f"compile_options['options'] must be a dict of Inductor options, got {inductor!r}")
     _check_backend(options.get("backend", "inductor"))
     _check_inductor_options(inductor)
     if options.get("mode") is not None and options.get("backend", "inductor") == "inductor":
@@ -111,7 +112,7 @@ def _check_backend(backend) -> None:
 
     names = list_backends(exclude_tags=())
     if not isinstance(backend, str) or backend not in names:
-        raise ValueError(f"compile_options['backend'] must be a callable or one of {names}, got {backend!r}")
+        raise ArgumentError(f"compile_options['backend'] must be a callable or one of {names}, got {backend!r}")
 
 
 def _check_inductor_options(given: dict) -> None:
@@ -126,27 +127,27 @@ def _check_inductor_options(given: dict) -> None:
         name = key.replace("-", "_") if isinstance(key, str) else key
         if name not in known:
             near = difflib.get_close_matches(str(name), list(known), n=3)
-            raise ValueError(f"compile_options['options'] names no Inductor option {key!r}"
-                             + (f" (close: {', '.join(near)})" if near else ""))
+            raise ArgumentError(f"compile_options['options'] names no Inductor option {key!r}"
+                                + (f" (close: {', '.join(near)})" if near else ""))
         kind = config.get_type(name)
         if get_origin(kind) is None and isinstance(kind, type) and not isinstance(value, kind):
-            raise ValueError(f"compile_options['options'][{key!r}] must be a {kind.__name__}, got {value!r}")
+            raise ArgumentError(f"compile_options['options'][{key!r}] must be a {kind.__name__}, got {value!r}")
 
 
 def _mode_options(mode, given: bool) -> dict:
     """torch.compile's ``mode`` as the Inductor options it stands for (what Inductor applies it as): torch.compile
     takes a mode or options, not both, and the step always has options on CPU (and for a quantized model)."""
     if given:
-        raise ValueError("compile_options: give 'mode' or 'options', not both (torch.compile takes one of them)")
+        raise ArgumentError("compile_options: give 'mode' or 'options', not both (torch.compile takes one of them)")
     from torch._inductor import list_mode_options
 
     modes = list_mode_options()
     if not isinstance(mode, str) or mode not in modes:
-        raise ValueError(f"compile_options['mode'] must be one of {sorted(modes)}, got {mode!r}")
+        raise ArgumentError(f"compile_options['mode'] must be one of {sorted(modes)}, got {mode!r}")
     if modes[mode].get("triton.cudagraphs"):  # a replay overwrites the outputs the next depth reads
-        raise ValueError(f"compile_options['mode'] {mode!r} turns on Inductor's CUDA graphs, which break chained "
-                         f"depths (docs/compile.md §8): use the Drafter's own (cuda_graphs=True), and a mode "
-                         f"without them")
+        raise ArgumentError(f"compile_options['mode'] {mode!r} turns on Inductor's CUDA graphs, which break chained "
+                            f"depths (docs/compile.md §8): use the Drafter's own (cuda_graphs=True), and a mode "
+                            f"without them")
     return dict(modes[mode])
 
 
@@ -272,15 +273,15 @@ class _BucketBuffers:
 
 def _check_model(model) -> None:
     if not isinstance(model, InklingMTP):
-        raise ValueError(f"model must be an InklingMTP, got {type(model).__name__}")
+        raise ArgumentError(f"model must be an InklingMTP, got {type(model).__name__}")
 
 
 def _check_num_speculative_tokens(value, loaded: int) -> int:
     if value is None:
         return loaded
     if not arguments.is_int(value) or not 1 <= value <= loaded:
-        raise ValueError(f"num_speculative_tokens must be an int in [1, {loaded}] (the model has {loaded} loaded MTP "
-                         f"depth(s); load more with from_pretrained(..., num_depths=...)), got {value!r}")
+        raise ArgumentError(f"num_speculative_tokens must be an int in [1, {loaded}] (the model has {loaded} loaded "
+                            f"MTP depth(s); load more with from_pretrained(..., num_depths=...)), got {value!r}")
     return value
 
 
@@ -319,15 +320,15 @@ class Drafter:
                         if k > 1 else None)
         buckets = arguments.size_tuple("batch_buckets", batch_buckets)
         if not buckets:
-            raise ValueError("batch_buckets must name at least one batch size")
+            raise ArgumentError("batch_buckets must name at least one batch size")
         self.batch_buckets = tuple(b for b in buckets if b < self.max_batch_size) + (self.max_batch_size,)
         self.graph_batch_limit = buckets[-1]
         self.graph_rows = decode_windows(k) if graph_rows is None else arguments.size_tuple("graph_rows", graph_rows)
         on_cuda = model.device.type == "cuda"
         if cuda_graphs and not on_cuda:
-            raise ValueError(f"cuda_graphs=True needs a CUDA model; this one is on {model.device}")
+            raise ArgumentError(f"cuda_graphs=True needs a CUDA model; this one is on {model.device}")
         if cuda_graphs and not compile:  # the eager step is not captured
-            raise ValueError("cuda_graphs=True needs compile=True")
+            raise ArgumentError("cuda_graphs=True needs compile=True")
         self.cuda_graphs = on_cuda and compile if cuda_graphs is None else cuda_graphs
         options = _compile_options(compile_options, on_cuda, fast_inductor_options(model))
         # Inductor freezes only what Dynamo traced as constants: prepare_freezing, around our own compiles only.
@@ -341,7 +342,7 @@ class Drafter:
         scheme = model.quantization.scheme if model.quantization is not None else ""
         packable = compile and not on_cuda and not self._freezing and not scheme.startswith("torchao:")
         if cached_rounds and not packable:
-            raise arguments.ArgumentError(
+            raise ArgumentError(
                 "cached_rounds=True needs compile=True, a CPU model, and one that can be packaged (no Inductor "
                 f"freezing, no torchao scheme); got compile={compile}, {model.device}, freezing={self._freezing}, "
                 f"quantization {scheme or None!r}")
@@ -482,13 +483,14 @@ class Drafter:
 
     def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
               inputs_embeds: torch.Tensor | None = None) -> None:
-        """ValueError naming the problem for a bad batch, shape, id, position or value (one host sync)."""
+        """ArgumentError naming the problem for a bad batch, shape, id, position or value (one host sync)."""
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
             got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
-            raise ValueError(f"positions must be a [batch, rows] tensor, got {got}")
+            raise ArgumentError(f"positions must be a [batch, rows] tensor, got {got}")
         batch = positions.shape[0]
         if batch > self.max_batch_size:
-            raise ValueError(f"batch of {batch} sequences exceeds the drafter's max_batch_size {self.max_batch_size}")
+            raise ArgumentError(f"positions: a batch of {batch} sequences exceeds the drafter's max_batch_size "
+                                f"{self.max_batch_size}")
         self.check_model_unchanged()
         self.model.check_inputs(input_ids, positions, hidden, self.cache, drafting=True)
         if inputs_embeds is not None and (not isinstance(inputs_embeds, torch.Tensor)
@@ -497,8 +499,8 @@ class Drafter:
                                           or inputs_embeds.device != self.model.device):
             got = (tuple(inputs_embeds.shape), inputs_embeds.dtype, str(inputs_embeds.device)) \
                 if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
-            raise ValueError(f"inputs_embeds must be a {self.model.dtype} tensor on {self.model.device} shaped like "
-                             f"hidden {tuple(hidden.shape)}, got {got}")
+            raise ArgumentError(f"inputs_embeds must be a {self.model.dtype} tensor on {self.model.device} shaped like "
+                                f"hidden {tuple(hidden.shape)}, got {got}")
 
     def check_model_unchanged(self) -> None:
         """ValueError when the model was converted (``.to``, ``.half``, ...) after this Drafter built its cache and
@@ -512,7 +514,8 @@ class Drafter:
         """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took."""
         batch_sizes = self.batch_buckets if batch_sizes is None else arguments.size_tuple("batch_sizes", batch_sizes)
         if batch_sizes and batch_sizes[-1] > self.max_batch_size:
-            raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
+            raise ArgumentError(f"batch_sizes must be at most the drafter's max_batch_size {self.max_batch_size}, "
+                                f"got {batch_sizes}")
         arguments.temperature(temperature)
         self.check_model_unchanged()
         start = time.perf_counter()
@@ -561,9 +564,10 @@ class Drafter:
         rows = self.graph_rows if rows is None else arguments.size_tuple("rows", rows)
         for name, sizes in (("batch_sizes", batch_sizes), ("rows", rows)):
             if not sizes:  # a package of no bucket, which load_compiled would take and never use
-                raise ValueError(f"save_compiled: {name} must name at least one size, got ()")
+                raise ArgumentError(f"save_compiled: {name} must name at least one size, got ()")
         if batch_sizes[-1] > self.max_batch_size:
-            raise ValueError(f"batch size {batch_sizes[-1]} exceeds the drafter's max_batch_size {self.max_batch_size}")
+            raise ArgumentError(f"batch_sizes must be at most the drafter's max_batch_size {self.max_batch_size}, "
+                                f"got {batch_sizes}")
         arguments.check_bool("sampled", sampled)
         self.check_model_unchanged()
         keys = sorted({(*self.bucket(b, r), s) for b in batch_sizes for r in rows for s in {False, sampled}})

@@ -27,6 +27,7 @@ from transformers.generation import (
     TemperatureLogitsWarper,
 )
 
+from ..arguments import ArgumentError
 from .multimodal import MULTIMODAL_KWARGS, check_drafter_takes_rows, merged_rows
 from .speculative import Decoding, SpeculativeOutput, _validate, run_loop
 
@@ -66,15 +67,15 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
 
     Returns what ``generate`` returns: the sequences [B, L + n], or with ``return_dict_in_generate=True`` a
     :class:`SpeculativeGenerateOutput`. ``generator`` seeds the loop's draws (sampling); ``lockstep`` as in
-    ``speculative_generate``. Raises ValueError naming any option it cannot honour.
+    ``speculative_generate``. Raises ArgumentError naming any option it cannot honour.
     """
     streamer, synced_gpus, assistant = _generate_call_arguments(streamer, synced_gpus)
     if drafter is None:
-        raise ValueError("custom_generate needs a drafter: generate(..., custom_generate=custom_generate, "
-                         "drafter=Drafter(...))")
+        raise ArgumentError("custom_generate needs a drafter: generate(..., custom_generate=custom_generate, "
+                            "drafter=Drafter(...))")
     _refuse_unsupported(generation_config, synced_gpus, assistant, model_kwargs)
     if input_ids.shape[1] == 0:
-        raise ValueError("custom_generate needs input_ids (a prompt given as inputs_embeds only is not supported)")
+        raise ArgumentError("custom_generate needs input_ids (a prompt given as inputs_embeds only is not supported)")
     max_length = generation_config.max_length
     criteria = []
     eos = None
@@ -84,7 +85,8 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
         elif isinstance(criterion, EosTokenCriteria):
             eos = criterion.eos_token_id.reshape(-1).tolist()
         elif type(criterion).__name__ == "ConfidenceCriteria":
-            raise ValueError("custom_generate cannot honour ConfidenceCriteria (assisted decoding's, it reads scores)")
+            raise ArgumentError("stopping_criteria: custom_generate cannot honour ConfidenceCriteria (assisted "
+                                "decoding's, it reads scores)")
         else:
             criteria.append(criterion)
     max_new_tokens = max_length - input_ids.shape[1]
@@ -130,22 +132,22 @@ def _generate_call_arguments(streamer, synced_gpus):
 
 def _refuse_unsupported(generation_config, synced_gpus, assistant, model_kwargs) -> None:
     if generation_config.num_beams != 1:
-        raise ValueError(f"custom_generate cannot honour num_beams={generation_config.num_beams} (beam search)")
+        raise ArgumentError(f"custom_generate cannot honour num_beams={generation_config.num_beams} (beam search)")
     if assistant is not None or generation_config.prompt_lookup_num_tokens is not None:
-        raise ValueError("custom_generate drafts with its own drafter: leave out assistant_model / "
-                         "prompt_lookup_num_tokens")
+        raise ArgumentError("custom_generate drafts with its own drafter: leave out assistant_model / "
+                            "prompt_lookup_num_tokens")
     if synced_gpus:
-        raise ValueError("custom_generate cannot honour synced_gpus=True")
+        raise ArgumentError("custom_generate cannot honour synced_gpus=True")
     if generation_config.return_dict_in_generate:
         wanted = [name for name in UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
         if wanted:
-            raise ValueError(f"custom_generate cannot return {', '.join(wanted)} (it runs no one-token steps)")
+            raise ArgumentError(f"custom_generate cannot return {', '.join(wanted)} (it runs no one-token steps)")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("custom_generate starts from the prompt: a cache holding tokens cannot be continued")
+        raise ArgumentError("custom_generate starts from the prompt: a cache holding tokens cannot be continued")
     unknown = sorted(set(model_kwargs) - DERIVED_KWARGS - set(MULTIMODAL_KWARGS))
     if unknown:
-        raise ValueError(f"custom_generate cannot honour the model inputs {unknown}")
+        raise ArgumentError(f"custom_generate cannot honour the model inputs {unknown}")
 
 
 def _draft_temperature(processors: LogitsProcessorList) -> float:
@@ -162,8 +164,8 @@ def _processor_scores(processors: LogitsProcessorList, batch: int):
         name = type(processor).__name__
         from_transformers = type(processor).__module__.startswith("transformers.")
         if from_transformers and name not in ROW_PROCESSORS:
-            raise ValueError(f"custom_generate cannot honour the logits processor {name} (it is not a function of "
-                             "each row's own tokens and scores)")
+            raise ArgumentError(f"custom_generate cannot honour the logits processor {name} (it is not a function of "
+                                "each row's own tokens and scores)")
     per_row = [[name for name, value in vars(p).items() if isinstance(value, torch.Tensor) and value.dim() >= 1
                 and value.shape[0] == batch] for p in processors]
 

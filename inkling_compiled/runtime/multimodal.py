@@ -51,10 +51,10 @@ def merged_rows(target, input_ids: torch.Tensor, *, pixel_values=None, audio_inp
         return None
     base = target.model
     if not hasattr(base, "get_placeholder_mask"):
-        raise ValueError(f"{type(target).__name__} takes no image or audio inputs (pixel_values / audio_input_ids / "
-                         "mm_encoder_outputs); use InklingForConditionalGeneration")
+        raise ArgumentError(f"{type(target).__name__} takes no image or audio inputs (pixel_values / audio_input_ids / "
+                            "mm_encoder_outputs); use InklingForConditionalGeneration")
     if image is not None and pixel_values is not None:
-        raise ValueError("pass pixel_values or mm_encoder_outputs['image'], not both")
+        raise ArgumentError("pass pixel_values or mm_encoder_outputs['image'], not both")
     pixel_values, audio_input_ids = _checked_media(target, pixel_values, audio_input_ids, audio_input_ids_mask)
     rows = base.get_input_embeddings()(input_ids)
     if image is None and pixel_values is not None:

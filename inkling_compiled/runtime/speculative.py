@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import arguments
+from ..arguments import ArgumentError
 from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
@@ -149,11 +150,11 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     ids and the pad id (checked whether or not an EOS is given: it is also the token of the drafter's padding rows
     when rows keep different numbers of tokens)."""
     if not isinstance(target, nn.Module) or not hasattr(getattr(target, "config", None), "get_text_config"):
-        raise arguments.ArgumentError(f"target must be a transformers Inkling model (InklingForCausalLM or "
-                                      f"InklingForConditionalGeneration), got {type(target).__name__}")
+        raise ArgumentError(f"target must be a transformers Inkling model (InklingForCausalLM or "
+                            f"InklingForConditionalGeneration), got {type(target).__name__}")
     if not isinstance(drafter, DraftSource):
-        raise arguments.ArgumentError(f"drafter must follow the DraftSource protocol (draft, max_batch_size, "
-                                      f"max_length, num_speculative_tokens), got {type(drafter).__name__}")
+        raise ArgumentError(f"drafter must follow the DraftSource protocol (draft, max_batch_size, "
+                            f"max_length, num_speculative_tokens), got {type(drafter).__name__}")
     for name in ("max_batch_size", "max_length", "num_speculative_tokens"):  # a drafter of the caller's own
         arguments.positive_int(f"drafter.{name}", getattr(drafter, name))
     arguments.positive_int("max_new_tokens", max_new_tokens)
@@ -163,18 +164,18 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     input_ids = arguments.integer_tensor("input_ids", input_ids, ndim=2)
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
-        raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
+        raise ArgumentError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
     first = next(target.parameters())
     target_device, target_dtype = first.device, first.dtype
     if target_dtype not in (torch.float32, torch.bfloat16, torch.float16):  # the drafter gets its hiddens cast
-        raise ValueError(f"the target runs in {target_dtype}; speculative decoding takes a float32, bfloat16 or "
-                         f"float16 target")
+        raise ArgumentError(f"the target runs in {target_dtype}; speculative decoding takes a float32, bfloat16 or "
+                            f"float16 target")
     if input_ids.device != target_device:
-        raise ValueError(f"input_ids are on {input_ids.device}, the target on {target_device}")
+        raise ArgumentError(f"input_ids are on {input_ids.device}, the target on {target_device}")
     draft_model = getattr(drafter, "model", None)
     draft_device = getattr(draft_model, "device", target_device)
     if draft_device != target_device:
-        raise ValueError(f"the drafter's model is on {draft_device}, the target on {target_device}")
+        raise ArgumentError(f"the drafter's model is on {draft_device}, the target on {target_device}")
     if isinstance(draft_model, InklingMTP):  # what the drafter would check on every call, checked once here
         draft_model.check_parameters()
     if isinstance(drafter, Drafter):
@@ -189,38 +190,38 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids, dtype=torch.long)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
+        raise ArgumentError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
     mask_cpu = attention_mask.cpu()
     if not bool(((mask_cpu == 0) | (mask_cpu == 1)).all()):  # before the cast: 0.5 must not truncate to 0
-        raise ValueError("attention_mask must contain only 0 and 1")
+        raise ArgumentError("attention_mask must contain only 0 and 1")
     attention_mask, mask_cpu = attention_mask.to(device=input_ids.device, dtype=torch.long), mask_cpu.long()
     if bool((mask_cpu[:, 1:] < mask_cpu[:, :-1]).any()):
-        raise ValueError("attention_mask must be left-padded (zeros, then ones, in every row)")
+        raise ArgumentError("attention_mask must be left-padded (zeros, then ones, in every row)")
     real = mask_cpu.sum(dim=1)
     if bool((real == 0).any()):
-        raise ValueError("every sequence needs at least one real (attention_mask == 1) prompt token")
+        raise ArgumentError("every sequence needs at least one real (attention_mask == 1) prompt token")
     if batch > drafter.max_batch_size:
-        raise ValueError(f"batch size {batch} exceeds the drafter's max_batch_size {drafter.max_batch_size}")
+        raise ArgumentError(f"batch size {batch} exceeds the drafter's max_batch_size {drafter.max_batch_size}")
     longest = int(real.max())
     if longest > drafter.max_length:
-        raise ValueError(f"prompt of {longest} tokens is longer than the drafter's max_length {drafter.max_length}")
+        raise ArgumentError(f"prompt of {longest} tokens is longer than the drafter's max_length {drafter.max_length}")
     # Drafter rows go up to position prompt + max_new_tokens - 2 (the row carrying the last emitted token).
     if longest + max_new_tokens - 1 > drafter.max_length:
-        raise ValueError(
+        raise ArgumentError(
             f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} - 1 exceeds the drafter's max_length "
             f"{drafter.max_length}; build the Drafter with max_length >= {longest + max_new_tokens - 1}")
     logits_vocab = logits_vocab_size(text)
     draft_config = getattr(draft_model, "config", None)
     draft_vocab = getattr(draft_config, "logits_vocab_size", None)
     if draft_vocab is not None and draft_vocab != logits_vocab:
-        raise ValueError(f"drafter logits vocabulary {draft_vocab} != target logits vocabulary {logits_vocab}")
+        raise ArgumentError(f"drafter logits vocabulary {draft_vocab} != target logits vocabulary {logits_vocab}")
     draft_table = getattr(draft_config, "vocab_size", None)
     if draft_table is not None and draft_table < text.vocab_size:  # every id the target takes is embedded
-        raise ValueError(f"drafter embedding table has {draft_table} rows, fewer than the target's vocabulary "
-                         f"{text.vocab_size}")
+        raise ArgumentError(f"drafter embedding table has {draft_table} rows, fewer than the target's vocabulary "
+                            f"{text.vocab_size}")
     draft_hidden = getattr(draft_config, "hidden_size", None)
     if draft_hidden is not None and draft_hidden != text.hidden_size:
-        raise ValueError(f"drafter hidden size {draft_hidden} != target hidden size {text.hidden_size}")
+        raise ArgumentError(f"drafter hidden size {draft_hidden} != target hidden size {text.hidden_size}")
     return input_ids, attention_mask, eos, pad
 
 
@@ -246,7 +247,7 @@ def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
     benchmark's baseline; same tokens, more rounds). ``pixel_values`` / ``audio_input_ids`` (with their
     ``audio_input_ids_mask``) / ``mm_encoder_outputs`` are the target's multimodal inputs, as ``generate`` takes
     them: the target's prefill reads the merged rows, and so does the drafter's (docs/model.md §7). Raises
-    ``ValueError`` on bad arguments before any model call.
+    ``ArgumentError`` on bad arguments before any model call.
     """
     input_ids, attention_mask, eos, pad_token_id = _validate(target, drafter, input_ids, attention_mask,
                                                              max_new_tokens, temperature, top_p, generator, lockstep,

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import arguments
+from ..arguments import ArgumentError
 from ..atomic_files import build_directory_atomically
 from ..checkpoint.layout import INDEX_FILE, MTP_FILE
 from ..checkpoint.reader import read_header, stored_dtype
@@ -97,13 +98,13 @@ def greedy_continuations(target, prompts: torch.Tensor, *, seq_len: int, chunk: 
     """``prompts`` [N, P] continued greedily by ``target`` to ``seq_len`` tokens (EOS suppressed by decoding for
     exactly ``seq_len - P`` steps with no EOS id), with the target's hiddens."""
     if prompts.dim() != 2:
-        raise ValueError(f"prompts must be [N, P] token ids, got shape {tuple(prompts.shape)}")
+        raise ArgumentError(f"prompts must be [N, P] token ids, got shape {tuple(prompts.shape)}")
     num_sequences, prompt_len = prompts.shape
     if not 0 < prompt_len < seq_len:
-        raise ValueError(f"need 0 < prompt_len < seq_len, got {prompt_len}, {seq_len}")
+        raise ArgumentError(f"need 0 < prompt_len < seq_len, got {prompt_len}, {seq_len}")
     vocab = logits_vocab_size(target.config)
     if int(prompts.min()) < 0 or int(prompts.max()) >= vocab:
-        raise ValueError(f"prompt ids must lie in [0, {vocab}), got [{int(prompts.min())}, {int(prompts.max())}]")
+        raise ArgumentError(f"prompt ids must lie in [0, {vocab}), got [{int(prompts.min())}, {int(prompts.max())}]")
     prompts = prompts.to(target.lm_head.weight.device)
     config = greedy_generation_config(target, seq_len - prompt_len)
     tokens, hidden = [], []
@@ -313,11 +314,11 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
 
     checkpoint_dir = arguments.path("checkpoint_dir", checkpoint_dir)
     if (prompts is None) != (eval_prompts is None):
-        raise ValueError("give both prompts and eval_prompts, or neither")
+        raise ArgumentError("give both prompts and eval_prompts, or neither")
     if prompts is not None:
         if prompts.dim() != 2 or eval_prompts.dim() != 2 or prompts.shape[1] != eval_prompts.shape[1]:
-            raise ValueError(f"prompts and eval_prompts must be [N, P] and [M, P], got {tuple(prompts.shape)} and "
-                             f"{tuple(eval_prompts.shape)}")
+            raise ArgumentError(f"prompts and eval_prompts must be [N, P] and [M, P], got {tuple(prompts.shape)} and "
+                                f"{tuple(eval_prompts.shape)}")
         (num_sequences, prompt_len), eval_sequences = prompts.shape, eval_prompts.shape[0]
     params = dict(steps=steps, seq_len=seq_len, batch=batch, seed=seed, lr=lr, prompt_len=prompt_len,
                   num_sequences=num_sequences, eval_sequences=eval_sequences, soft=soft)
@@ -369,7 +370,7 @@ def _check_arguments(params: dict, **flags) -> None:
     for name in ("steps", "seq_len", "batch", "prompt_len", "num_sequences", "eval_sequences"):
         arguments.positive_int(name, params[name])
     if not arguments.is_number(params["lr"]) or not 0 < params["lr"] < math.inf:
-        raise arguments.ArgumentError(f"lr must be a finite number > 0, got {params['lr']!r}")
+        raise ArgumentError(f"lr must be a finite number > 0, got {params['lr']!r}")
     arguments.integer("seed", params["seed"])
     for name, value in {"soft": params["soft"], **flags}.items():
         arguments.check_bool(name, value)

@@ -155,7 +155,7 @@ def line_start_windows(stream: torch.Tensor, count: int, length: int, seed: int)
     windows = stream[starts[:, None] + torch.arange(length)[None]]
     windows = windows[(windows < BYTES).all(1)]  # inside one file, bytes only
     if len(windows) < count:
-        raise ValueError(f"only {len(windows)} windows of {length} bytes in the stream, {count} requested")
+        raise ArgumentError(f"count={count} windows of {length} bytes requested, the stream has only {len(windows)}")
     pick = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[:count]
     return windows[pick]
 
@@ -211,10 +211,10 @@ def text_config(recipe: Recipe = RECIPE) -> dict:
 
     heads = recipe.hidden_size // recipe.head_dim
     if heads < 1 or heads * recipe.head_dim != recipe.hidden_size:
-        raise ValueError(f"hidden_size {recipe.hidden_size} is not a multiple of head_dim {recipe.head_dim}")
+        raise ArgumentError(f"hidden_size {recipe.hidden_size} is not a multiple of head_dim {recipe.head_dim}")
     if recipe.num_layers < MTP_DEPTHS:
-        raise ValueError(f"num_layers {recipe.num_layers} < {MTP_DEPTHS} MTP depths (transformers' MtpModel "
-                         "numbers its depths after the trunk layers)")
+        raise ArgumentError(f"num_layers {recipe.num_layers} < {MTP_DEPTHS} MTP depths (transformers' MtpModel "
+                            "numbers its depths after the trunk layers)")
     attention = dict(num_attention_heads=heads, num_key_value_heads=heads, head_dim=recipe.head_dim,
                      swa_num_attention_heads=heads, swa_num_key_value_heads=heads, swa_head_dim=recipe.head_dim)
     config = tiny_config(

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from inkling_compiled.arguments import ArgumentError
 from tests.helpers import random_mtp
 
 T = 22  # longer than the sliding window (8) and the full depth's bias extent (16)
@@ -95,7 +96,7 @@ def test_rows_of_a_sequence_must_be_consecutive():
     model = random_mtp()
     ids, pos, hidden = sequence()
     cache = model.new_cache(2, 32)
-    with pytest.raises(ValueError, match=r"sequence 1: positions \[3, 5\] are not consecutive"):
+    with pytest.raises(ArgumentError, match=r"sequence 1: positions \[3, 5\] are not consecutive"):
         model(ids[:, :2], torch.tensor([[3, 4], [3, 5]]), hidden[:, :2], cache=cache)
 
 

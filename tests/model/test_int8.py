@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from inkling_compiled import CheckpointError, InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.model.int8 import Int8Linear, int8_linear, quantize_rows
 from inkling_compiled.testing.kernel_stats import compile_fresh
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
@@ -189,33 +190,33 @@ def test_bad_schemes(scheme, error, message, checkpoint):
 
 
 def test_head_must_be_a_bool(checkpoint):
-    with pytest.raises(TypeError, match="head must be a bool, got 'yes'"):
+    with pytest.raises(ArgumentError, match="head must be a bool, got 'yes'"):
         random_mtp(dtype=BF16).quantize_("int8", head="yes")
-    with pytest.raises(TypeError, match="quantize_head must be a bool, got 1"):
+    with pytest.raises(ArgumentError, match="quantize_head must be a bool, got 1"):
         InklingMTP.from_pretrained(checkpoint, quantize="int8", quantize_head=1)
 
 
 def test_float32_activations_are_refused_not_converted(checkpoint):
     mtp = random_mtp(dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"bfloat16 activations, this model runs in torch.float32.*over 10x slower"):
+    with pytest.raises(ArgumentError, match=r"bfloat16 activations, this model runs in torch.float32.*over 10x slower"):
         mtp.quantize_("int8")
     assert mtp.quantization is None and not any(isinstance(m, Int8Linear) for m in mtp.modules())
-    with pytest.raises(ValueError, match=r"bfloat16 activations, this model runs in torch.float32"):
+    with pytest.raises(ArgumentError, match=r"bfloat16 activations, this model runs in torch.float32"):
         InklingMTP.from_pretrained(checkpoint, dtype=torch.float32, quantize="int8")
     target = load_hf_target(checkpoint)  # float32: the shared tensors decide the dtype
-    with pytest.raises(ValueError, match=r"runs in torch.float32.*the target must be bfloat16"):
+    with pytest.raises(ArgumentError, match=r"runs in torch.float32.*the target must be bfloat16"):
         InklingMTP.from_pretrained(checkpoint, target=target, quantize="int8")
 
 
 def test_converting_a_quantized_model_to_float32_fails_at_the_next_call():
     mtp = random_mtp(dtype=BF16).quantize_("int8").to(torch.float32)
-    with pytest.raises(ValueError, match=r"bfloat16 activations, this model runs in torch.float32"):
+    with pytest.raises(ArgumentError, match=r"bfloat16 activations, this model runs in torch.float32"):
         mtp(*draft_rows(mtp))
 
 
 def test_device_without_an_int8_kernel():
     mtp = random_mtp(dtype=BF16).to("meta")
-    with pytest.raises(ValueError, match="int8 weight-only drafting has kernels on cpu and cuda, not on meta"):
+    with pytest.raises(ArgumentError, match="int8 weight-only drafting has kernels on cpu and cuda, not on meta"):
         mtp.quantize_("int8")
 
 

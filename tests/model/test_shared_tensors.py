@@ -102,5 +102,5 @@ def test_a_target_converted_after_sharing_is_refused_naming_the_tensors(path, ta
     with pytest.raises(ValueError, match=mixed):
         mtp(ids, positions, hidden.float())
     with pytest.raises(ValueError, match=r"the model is now torch\.bfloat16 on cpu, but this Drafter was built for it "
-                                         r"as torch\.float32 on cpu: build a new Drafter"):
+                                      r"as torch\.float32 on cpu: build a new Drafter"):
         built_before.draft(ids, positions, hidden)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.checkpoint import raw_key
 from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN, TensorParallel
@@ -211,7 +212,7 @@ def _tp_target_checks(mesh, path) -> dict:
     out = speculative_generate(sharded_target, Drafter(tp, 2, 32, compile=False), prompts, max_new_tokens=8)
     reference = sharded_target.generate(prompts, generation_config=greedy_generation_config(sharded_target, 8))
     assert torch.equal(out.sequences, reference)
-    with pytest.raises(ValueError, match="TARGET_TP_PLAN"):
+    with pytest.raises(ArgumentError, match="TARGET_TP_PLAN"):
         InklingMTP.from_pretrained(path, target=target(None), device_mesh=mesh)
     return {"sequences": out.sequences}
 
@@ -293,10 +294,11 @@ def test_each_rank_reads_only_slices(tp_checkpoint, monkeypatch):
 
 
 def test_refusals_name_the_problem(tp_checkpoint):
-    with pytest.raises(ValueError, match="device_mesh must be a torch.distributed DeviceMesh, got str"):
+    with pytest.raises(ArgumentError, match="device_mesh must be a torch.distributed DeviceMesh, got str"):
         InklingMTP.from_pretrained(tp_checkpoint, device_mesh="cpu")
     config = InklingMTP.from_pretrained(tp_checkpoint).config
-    with pytest.raises(ValueError, match=r"not multiples of 3: vocab_size 512, intermediate_size 128, depth 0 heads 4"):
+    with pytest.raises(ArgumentError,
+                       match=r"not multiples of 3: vocab_size 512, intermediate_size 128, depth 0 heads 4"):
         TensorParallel("unused", 0, 3).local_config(config)
     local = TensorParallel("unused", 1, 4).local_config(config)
     assert [g.num_heads for g in local.depths] == [1, 1] and local.intermediate_size == 32

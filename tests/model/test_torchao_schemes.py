@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.model import torchao_schemes
 from inkling_compiled.testing.synthetic import cached_checkpoint, load_hf_target
 from tests.helpers import draft_rows, random_mtp
@@ -100,7 +101,7 @@ def test_a_config_without_a_kernel_here_names_the_reason():
 
 
 def test_float32_models_are_refused_for_torchao_configs_too():
-    with pytest.raises(ValueError, match=r"bfloat16 activations, this model runs in torch.float32"):
+    with pytest.raises(ArgumentError, match=r"bfloat16 activations, this model runs in torch.float32"):
         random_mtp().quantize_(ao.Int8WeightOnlyConfig())
 
 

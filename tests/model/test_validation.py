@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.runtime.drafter import Drafter
 from tests.helpers import random_mtp
 
@@ -61,7 +62,7 @@ def test_token_id_out_of_range(kind, model, drafter, inputs, bad):
     ids, positions, hidden = inputs
     ids = ids.clone()
     ids[1, 2] = bad
-    with pytest.raises(ValueError, match=rf"token id {bad} out of range: ids must be in \[0, 256\)"):
+    with pytest.raises(ArgumentError, match=rf"token id {bad} out of range: ids must be in \[0, 256\)"):
         _run(kind, model, drafter, ids, positions, hidden)
 
 
@@ -88,72 +89,72 @@ def test_int32_ids_are_accepted(kind, model, drafter, inputs):
 @BOTH
 def test_one_dimensional_ids(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"input_ids must have 2 dims, got shape \(3,\)"):
+    with pytest.raises(ArgumentError, match=r"input_ids must have 2 dims, got shape \(3,\)"):
         _run(kind, model, drafter, ids[0], positions, hidden)
 
 
 def test_one_dimensional_positions_forward(model, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"positions must have 2 dims, got shape \(3,\)"):
+    with pytest.raises(ArgumentError, match=r"positions must have 2 dims, got shape \(3,\)"):
         model(ids, positions[0], hidden)
 
 
 def test_one_dimensional_positions_drafter(drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"positions must be a \[batch, rows\] tensor, got \(3,\)"):
+    with pytest.raises(ArgumentError, match=r"positions must be a \[batch, rows\] tensor, got \(3,\)"):
         drafter.draft(ids, positions[0], hidden)
 
 
 @pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf")])
 def test_drafter_temperature_must_be_finite_and_non_negative(drafter, inputs, temperature):
-    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"):
+    with pytest.raises(ArgumentError, match=r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"):
         drafter.draft(*inputs, temperature=temperature)
 
 
 def test_positions_not_a_tensor_drafter(drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"positions must be a \[batch, rows\] tensor, got list"):
+    with pytest.raises(ArgumentError, match=r"positions must be a \[batch, rows\] tensor, got list"):
         drafter.draft(ids, positions.tolist(), hidden)
 
 
 def test_hidden_not_a_tensor(model, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"previous_hidden must be a torch\.Tensor, got list"):
+    with pytest.raises(ArgumentError, match=r"previous_hidden must be a torch\.Tensor, got list"):
         model(ids, positions, hidden.tolist())
 
 
 @BOTH
 def test_hidden_wrong_width(kind, model, drafter, inputs):
     ids, positions, _ = inputs
-    with pytest.raises(ValueError, match=r"previous_hidden has shape \(2, 3, 65\), expected \(2, 3, 64\)"):
+    with pytest.raises(ArgumentError, match=r"previous_hidden has shape \(2, 3, 65\), expected \(2, 3, 64\)"):
         _run(kind, model, drafter, ids, positions, torch.randn(B, T, 65))
 
 
 @BOTH
 def test_hidden_two_dimensional(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"previous_hidden must have 3 dims, got shape \(2, 64\)"):
+    with pytest.raises(ArgumentError, match=r"previous_hidden must have 3 dims, got shape \(2, 64\)"):
         _run(kind, model, drafter, ids, positions, hidden[:, 0])
 
 
 @BOTH
 def test_ids_rows_mismatch(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"input_ids has shape \(2, 2\), expected \(2, 3\)"):
+    with pytest.raises(ArgumentError, match=r"input_ids has shape \(2, 2\), expected \(2, 3\)"):
         _run(kind, model, drafter, ids[:, :2], positions, hidden)
 
 
 @BOTH
 def test_hidden_rows_mismatch(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"previous_hidden has shape \(2, 4, 64\), expected \(2, 3, 64\)"):
+    with pytest.raises(ArgumentError, match=r"previous_hidden has shape \(2, 4, 64\), expected \(2, 3, 64\)"):
         _run(kind, model, drafter, ids, positions, torch.randn(B, T + 1, 64))
 
 
 @BOTH
 def test_batch_mismatch(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"previous_hidden has shape \(1, 3, 64\), expected \(2, 3, 64\)"):
+    with pytest.raises(ArgumentError, match=r"previous_hidden has shape \(1, 3, 64\), expected \(2, 3, 64\)"):
         _run(kind, model, drafter, ids, positions, hidden[:1])
 
 
@@ -161,7 +162,7 @@ def test_batch_mismatch(kind, model, drafter, inputs):
 @pytest.mark.parametrize("shape", [(2, 0), (0, 3)])
 def test_no_rows(kind, model, drafter, shape):
     ids = torch.zeros(shape, dtype=torch.long)
-    with pytest.raises(ValueError, match=rf"positions has no rows \(shape \({shape[0]}, {shape[1]}\)\)"):
+    with pytest.raises(ArgumentError, match=rf"positions has no rows \(shape \({shape[0]}, {shape[1]}\)\)"):
         _run(kind, model, drafter, ids, ids.clone(), torch.zeros(*shape, 64))
 
 
@@ -171,21 +172,21 @@ def test_no_rows(kind, model, drafter, shape):
 @BOTH
 def test_float_ids(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"input_ids must be an integer tensor, got torch\.float32"):
+    with pytest.raises(ArgumentError, match=r"input_ids must be an integer tensor, got torch\.float32"):
         _run(kind, model, drafter, ids.float(), positions, hidden)
 
 
 @BOTH
 def test_bool_ids(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"input_ids must be an integer tensor, got torch\.bool"):
+    with pytest.raises(ArgumentError, match=r"input_ids must be an integer tensor, got torch\.bool"):
         _run(kind, model, drafter, ids.bool(), positions, hidden)
 
 
 @BOTH
 def test_float_positions(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=r"positions must be an integer tensor, got torch\.float32"):
+    with pytest.raises(ArgumentError, match=r"positions must be an integer tensor, got torch\.float32"):
         _run(kind, model, drafter, ids, positions.float(), hidden)
 
 
@@ -193,7 +194,7 @@ def test_float_positions(kind, model, drafter, inputs):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_hidden_wrong_dtype(kind, model, drafter, inputs, dtype):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match=rf"previous_hidden has dtype {dtype}, the model runs in torch\.float32"):
+    with pytest.raises(ArgumentError, match=rf"previous_hidden has dtype {dtype}, the model runs in torch\.float32"):
         _run(kind, model, drafter, ids, positions, hidden.to(dtype))
 
 
@@ -202,7 +203,7 @@ def test_hidden_wrong_dtype(kind, model, drafter, inputs, dtype):
 def test_meta_tensor(kind, model, drafter, inputs, which):
     args = dict(zip(["input_ids", "positions", "previous_hidden"], inputs))
     args[which] = torch.empty(args[which].shape, dtype=args[which].dtype, device="meta")
-    with pytest.raises(ValueError, match=rf"{which} is on meta, the model on cpu"):
+    with pytest.raises(ArgumentError, match=rf"{which} is on meta, the model on cpu"):
         _run(kind, model, drafter, *args.values())
 
 
@@ -214,7 +215,7 @@ def test_position_past_cache_forward(model, inputs):
     cache = model.new_cache(B, MAX_LEN)
     model(ids, positions + MAX_LEN - T, hidden, cache=cache)  # last real slot
     model(ids, torch.full_like(positions, cache.pad_position), hidden, cache=cache)  # padding rows
-    with pytest.raises(ValueError, match=rf"position {MAX_LEN + 1} is past the cache capacity: max_length is "
+    with pytest.raises(ArgumentError, match=rf"position {MAX_LEN + 1} is past the cache capacity: max_length is "
                                          rf"{MAX_LEN} \(positions 0\.\.{MAX_LEN - 1}; {MAX_LEN} marks padding rows\)"):
         model(ids, positions + MAX_LEN - 1, hidden, cache=cache)
 
@@ -222,7 +223,7 @@ def test_position_past_cache_forward(model, inputs):
 def test_position_past_cache_drafter(drafter, inputs):
     ids, positions, hidden = inputs
     drafter.draft(ids, positions + MAX_LEN - T, hidden)
-    with pytest.raises(ValueError, match=rf"position {MAX_LEN} is past the cache capacity: max_length is {MAX_LEN} "
+    with pytest.raises(ArgumentError, match=rf"position {MAX_LEN} is past the cache capacity: max_length is {MAX_LEN} "
                                          rf"\(positions 0\.\.{MAX_LEN - 1}; negative positions mark padding rows\)"):
         drafter.draft(ids, positions + MAX_LEN - T + 1, hidden)
 
@@ -238,7 +239,7 @@ def test_negative_position_forward(model, inputs, cached):
     positions = positions.clone()
     positions[0, 0] = -1
     cache = model.new_cache(B, MAX_LEN) if cached else None
-    with pytest.raises(ValueError, match=r"position -1 is negative"):
+    with pytest.raises(ArgumentError, match=r"position -1 is negative"):
         model(ids, positions, hidden, cache=cache)
 
 
@@ -253,14 +254,14 @@ def test_negative_position_is_padding_for_drafter(drafter, inputs):
 def test_batch_larger_than_cache_forward(model):
     ids = torch.zeros(B + 1, T, dtype=torch.long)
     positions = torch.arange(T).expand(B + 1, T)
-    with pytest.raises(ValueError, match=rf"batch of {B + 1} sequences exceeds the cache's batch_size {B}"):
+    with pytest.raises(ArgumentError, match=rf"batch of {B + 1} sequences exceeds the cache's batch_size {B}"):
         model(ids, positions, torch.zeros(B + 1, T, 64), cache=model.new_cache(B, MAX_LEN))
 
 
 def test_batch_larger_than_drafter(drafter):
     ids = torch.zeros(B + 1, T, dtype=torch.long)
     positions = torch.arange(T).expand(B + 1, T)
-    with pytest.raises(ValueError, match=rf"batch of {B + 1} sequences exceeds the drafter's max_batch_size {B}"):
+    with pytest.raises(ArgumentError, match=rf"batch of {B + 1} sequences exceeds the drafter's max_batch_size {B}"):
         drafter.draft(ids, positions, torch.zeros(B + 1, T, 64))
 
 
@@ -269,34 +270,35 @@ def test_batch_larger_than_drafter(drafter):
 
 @pytest.mark.parametrize("depth", [2, -1, 100])
 def test_depth_out_of_range(model, inputs, depth):
-    with pytest.raises(ValueError, match=rf"depth {depth} out of range: this model has 2 MTP depth\(s\)"):
+    with pytest.raises(ArgumentError, match=rf"depth {depth} out of range: this model has 2 MTP depth\(s\)"):
         model(*inputs, depth=depth)
 
 
 def test_both_ids_and_embeds(model, inputs):
     ids, positions, hidden = inputs
-    with pytest.raises(ValueError, match="pass exactly one of input_ids and inputs_embeds"):
+    with pytest.raises(ArgumentError, match="pass exactly one of input_ids and inputs_embeds"):
         model(ids, positions, hidden, inputs_embeds=hidden)
 
 
 def test_neither_ids_nor_embeds(model, inputs):
     _, positions, hidden = inputs
-    with pytest.raises(ValueError, match="pass exactly one of input_ids and inputs_embeds"):
+    with pytest.raises(ArgumentError, match="pass exactly one of input_ids and inputs_embeds"):
         model(None, positions, hidden)
 
 
 def test_inputs_embeds_checked(model, inputs):
     _, positions, hidden = inputs
     model(None, positions, hidden, inputs_embeds=hidden)
-    with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 3, 32\), expected \(2, 3, 64\)"):
+    with pytest.raises(ArgumentError, match=r"inputs_embeds has shape \(2, 3, 32\), expected \(2, 3, 64\)"):
         model(None, positions, hidden, inputs_embeds=hidden[..., :32])
-    with pytest.raises(ValueError, match=r"inputs_embeds has dtype torch\.float64, the model runs in torch\.float32"):
+    with pytest.raises(ArgumentError,
+                       match=r"inputs_embeds has dtype torch\.float64, the model runs in torch\.float32"):
         model(None, positions, hidden, inputs_embeds=hidden.double())
 
 
 def test_cache_of_another_dtype(model, inputs):
     cache = random_mtp(dtype=torch.bfloat16).new_cache(B, MAX_LEN)
-    with pytest.raises(ValueError, match=r"cache is torch\.bfloat16 on cpu, the model torch\.float32 on cpu"):
+    with pytest.raises(ArgumentError, match=r"cache is torch\.bfloat16 on cpu, the model torch\.float32 on cpu"):
         model(*inputs, cache=cache)
 
 
@@ -304,7 +306,7 @@ def test_cache_with_other_depth_count(model, inputs):
     from tests.helpers import tiny_text_config
 
     cache = random_mtp(tiny_text_config(num_mtp_layers=1)).new_cache(B, MAX_LEN)
-    with pytest.raises(ValueError, match=r"cache has 1 depth\(s\), the model 2"):
+    with pytest.raises(ArgumentError, match=r"cache has 1 depth\(s\), the model 2"):
         model(*inputs, cache=cache)
 
 
@@ -316,9 +318,9 @@ def test_refused_call_leaves_the_cache_untouched(model, drafter, inputs):
     bad = ids.clone()
     bad[0, 0] = 256
     cache = model.new_cache(B, MAX_LEN)
-    with pytest.raises(ValueError):
+    with pytest.raises(ArgumentError):
         model(bad, positions, hidden, cache=cache)
-    with pytest.raises(ValueError):
+    with pytest.raises(ArgumentError):
         drafter.draft(bad, positions, hidden)
     for c in (cache, drafter.cache):
         assert not any(t.any() for d in c.depths for t in d.tensors())
@@ -333,7 +335,7 @@ def test_non_finite_hidden_in_a_real_row(kind, model, drafter, inputs, value):
     ids, positions, hidden = inputs
     hidden = hidden.clone()
     hidden[1, 2, 5] = value
-    with pytest.raises(ValueError, match=r"previous_hidden holds a NaN or inf at sequence 1, row 2 \(position 2\): "
+    with pytest.raises(ArgumentError, match=r"previous_hidden holds a NaN or inf at sequence 1, row 2 \(position 2\): "
                                          r"the inputs of real rows must be finite"):
         _run(kind, model, drafter, ids, positions, hidden)
 
@@ -342,7 +344,7 @@ def test_non_finite_inputs_embeds_in_a_real_row(model, inputs):
     _, positions, hidden = inputs
     embeds = hidden.clone()
     embeds[0, 1, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"inputs_embeds holds a NaN or inf at sequence 0, row 1 \(position 1\)"):
+    with pytest.raises(ArgumentError, match=r"inputs_embeds holds a NaN or inf at sequence 0, row 1 \(position 1\)"):
         model(None, positions, hidden, inputs_embeds=embeds)
 
 
@@ -358,7 +360,7 @@ def test_non_finite_hidden_in_padding_rows_is_accepted(kind, model, drafter, inp
 
 @pytest.mark.parametrize("depth", [True, False, 1.0, torch.tensor(1), "0", None])
 def test_depth_must_be_an_int(model, inputs, depth):
-    with pytest.raises(ValueError, match=r"depth must be an int in \[0, 2\), got " + re.escape(repr(depth))):
+    with pytest.raises(ArgumentError, match=r"depth must be an int in \[0, 2\), got " + re.escape(repr(depth))):
         model(*inputs, depth=depth)
 
 
@@ -368,9 +370,9 @@ def test_right_padded_and_gapped_positions(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
     pad = -1 if kind == "drafter" else MAX_LEN
     _run(kind, model, drafter, ids, torch.tensor([[4, pad, 5], [2, 3, pad]]), hidden)
-    with pytest.raises(ValueError, match=r"sequence 0: positions \[4, 6\] are not consecutive"):
+    with pytest.raises(ArgumentError, match=r"sequence 0: positions \[4, 6\] are not consecutive"):
         _run(kind, model, drafter, ids, torch.tensor([[4, pad, 6], [2, 3, pad]]), hidden)
-    with pytest.raises(ValueError, match=r"sequence 1: positions \[3, 2\] are not consecutive"):
+    with pytest.raises(ArgumentError, match=r"sequence 1: positions \[3, 2\] are not consecutive"):
         _run(kind, model, drafter, ids, torch.tensor([[0, 1, 2], [pad, 3, 2]]), hidden)
 
 
@@ -378,7 +380,7 @@ def test_a_sequence_without_real_rows_has_nothing_to_draft_from(model, drafter, 
     ids, positions, hidden = inputs
     positions = positions.clone()
     positions[1] = -1
-    with pytest.raises(ValueError, match=r"sequence 1 has no real row \(all its positions are negative\): nothing "
+    with pytest.raises(ArgumentError, match=r"sequence 1 has no real row \(all its positions are negative\): nothing "
                                          r"to draft from"):
         drafter.draft(ids, positions, hidden)
     positions[1] = MAX_LEN  # the forward's padding convention: an all-padding sequence is fine there
@@ -386,7 +388,7 @@ def test_a_sequence_without_real_rows_has_nothing_to_draft_from(model, drafter, 
 
 
 def test_cache_must_be_an_mtp_cache(model, inputs):
-    with pytest.raises(ValueError, match=r"cache must be an MTPCache \(from new_cache\), got dict"):
+    with pytest.raises(ArgumentError, match=r"cache must be an MTPCache \(from new_cache\), got dict"):
         model(*inputs, cache={})
 
 
@@ -394,7 +396,7 @@ def test_cache_of_another_geometry(model, inputs):
     from tests.helpers import tiny_text_config
 
     other = random_mtp(tiny_text_config(head_dim=8)).new_cache(B, MAX_LEN)
-    with pytest.raises(ValueError, match=r"cache depth 1 holds \(kv heads, head dim, hidden\) \(2, 8, 64\), the "
+    with pytest.raises(ArgumentError, match=r"cache depth 1 holds \(kv heads, head dim, hidden\) \(2, 8, 64\), the "
                                          r"model's depth 1 needs \(2, 16, 64\): the cache was built for another model"):
         model(*inputs, cache=other)
 
@@ -404,7 +406,7 @@ def test_cache_of_another_geometry(model, inputs):
 def test_cache_sizes_must_be_positive_ints(model, field, value):
     sizes = dict(batch_size=B, max_length=MAX_LEN)
     sizes[field] = value
-    with pytest.raises(ValueError, match=rf"{field} must be an int >= 1, got " + re.escape(repr(value))):
+    with pytest.raises(ArgumentError, match=rf"{field} must be an int >= 1, got " + re.escape(repr(value))):
         model.new_cache(**sizes)
 
 
@@ -417,13 +419,13 @@ def test_cache_sizes_accept_integer_like_values(model):
 
 @pytest.mark.parametrize("temperature", [True, "0.5", None, torch.tensor(0.5)])
 def test_drafter_temperature_must_be_a_number(drafter, inputs, temperature):
-    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"):
+    with pytest.raises(ArgumentError, match=r"temperature must be 0 \(greedy\) or a finite number >= 1e-06"):
         drafter.draft(*inputs, temperature=temperature)
 
 
 @pytest.mark.parametrize("generator", [0, "cpu", torch.device("cpu")])
 def test_drafter_generator_must_be_a_generator(drafter, inputs, generator):
-    with pytest.raises(ValueError, match=r"generator must be a torch\.Generator \(or None\), got"):
+    with pytest.raises(ArgumentError, match=r"generator must be a torch\.Generator \(or None\), got"):
         drafter.draft(*inputs, temperature=0.5, generator=generator)
 
 
@@ -434,7 +436,7 @@ def test_drafter_generator_on_another_device():
     drafter = Drafter(model, max_batch_size=1, max_length=MAX_LEN, compile=False, num_speculative_tokens=1)
     ids, positions = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.zeros(1, 1, dtype=torch.long,
                                                                                      device="cuda")
-    with pytest.raises(ValueError, match=r"generator is on cpu, the model on cuda:0"):
+    with pytest.raises(ArgumentError, match=r"generator is on cpu, the model on cuda:0"):
         drafter.draft(ids, positions, torch.zeros(1, 1, 64, device="cuda"), temperature=0.5,
                       generator=torch.Generator())
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.runtime import Drafter, packaged, round_cache
 from inkling_compiled.testing.synthetic import cached_checkpoint
 
@@ -251,15 +252,15 @@ def test_the_cache_is_off_by_default_for_k_1_and_by_the_switch(model, monkeypatc
     assert round_cache.cache_root() is None
     monkeypatch.setenv(round_cache.ENV_VAR, "~/rounds")  # quoted, so no shell expanded it: not ./~/rounds
     assert round_cache.cache_root() == Path.home() / "rounds"
-    with pytest.raises(ValueError, match=r"cached_rounds must be a bool or None, got 'yes'"):
+    with pytest.raises(ArgumentError, match=r"cached_rounds must be a bool or None, got 'yes'"):
         Drafter(model, 1, MAX_LENGTH, cached_rounds="yes")
 
 
 def test_missing_refuses_what_is_not_a_drafter_or_a_bool(model):
     """Not an AttributeError from inside, nor "yes" taken as sampled=True."""
-    with pytest.raises(ValueError, match=r"drafter must be a Drafter, got str"):
+    with pytest.raises(ArgumentError, match=r"drafter must be a Drafter, got str"):
         round_cache.missing("x")
-    with pytest.raises(ValueError, match=r"sampled must be a bool, got 'yes'"):
+    with pytest.raises(ArgumentError, match=r"sampled must be a bool, got 'yes'"):
         round_cache.missing(cached_drafter(model), sampled="yes")
 
 

@@ -192,7 +192,7 @@ def test_return_dict_in_generate(target):
 def test_what_it_cannot_honour_is_refused_by_name(target, options, match):
     ids = torch.tensor([[5, 6, 7, 8]])
     drafter = options.pop("drafter", KStandInDrafter(1, 120, oracle=[{}]))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match):  # token_type_ids: transformers itself refuses it
         target.generate(ids, max_new_tokens=4, custom_generate=custom_generate, drafter=drafter, **options)
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.runtime import Drafter
 from tests.helpers import random_mtp
 
@@ -170,12 +171,12 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
 ])
 def test_drafter_arguments_are_checked(kwargs, match):
     args = {"max_batch_size": 2, "max_length": 64, **kwargs}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ArgumentError, match=match):
         Drafter(random_mtp(), **args, num_speculative_tokens=1)
 
 
 def test_drafter_model_must_be_an_inkling_mtp():
-    with pytest.raises(ValueError, match="model must be an InklingMTP, got Linear"):
+    with pytest.raises(ArgumentError, match="model must be an InklingMTP, got Linear"):
         Drafter(torch.nn.Linear(2, 2), 1, 8)
 
 
@@ -199,12 +200,12 @@ def test_a_compile_mode_is_applied_as_its_inductor_options_beside_ours():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(batch_sizes=(0,)), "each of batch_sizes must be an int >= 1, got 0"),
-    (dict(batch_sizes=(1, 3)), "batch size 3 exceeds the drafter's max_batch_size 2"),
+    (dict(batch_sizes=(1, 3)), r"batch_sizes must be at most the drafter's max_batch_size 2, got \(1, 3\)"),
     (dict(temperature=-1.0), r"temperature must be 0 \(greedy\) or a finite number >= 1e-06 .*got -1.0"),
 ])
 def test_capture_arguments_are_checked(kwargs, match):
     drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ArgumentError, match=match):
         drafter.capture(**kwargs)
     assert not drafter._shapes  # refused before anything ran
 
@@ -218,7 +219,7 @@ def test_bucket_and_static_step_check_their_sizes(batch, rows, match):
     inside torch when called); zero or negative sizes were silently the smallest bucket."""
     drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
     for method in (drafter.bucket, drafter.static_step, drafter.uses_graph):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ArgumentError, match=match):
             method(batch, rows)
     assert not drafter._shapes
 
@@ -268,7 +269,7 @@ def test_an_eager_drafter_with_validate_false_checks_nothing(monkeypatch):
 
 def test_cuda_graph_options_are_checked():
     model = random_mtp()
-    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA model"):
+    with pytest.raises(ArgumentError, match="cuda_graphs=True needs a CUDA model"):
         Drafter(model, 1, 8, cuda_graphs=True, num_speculative_tokens=1)
     assert not Drafter(model, 1, 8, compile=False, num_speculative_tokens=1).cuda_graphs
 

@@ -5,6 +5,7 @@ the per-depth draft distributions, the CUDA-graph contract (CPU stand-in), and n
 import pytest
 import torch
 
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.runtime import Drafter
 from tests.helpers import random_mtp, tiny_text_config
 from tests.runtime.test_drafter import cuda, emulate_graphs
@@ -66,7 +67,7 @@ def test_num_speculative_tokens_defaults_to_every_loaded_depth_and_is_checked(mo
     assert Drafter(model, 1, 8, compile=False, num_speculative_tokens=None).num_speculative_tokens == 8
     assert Drafter(model, 1, 8, compile=False, num_speculative_tokens=1).num_speculative_tokens == 1
     for bad in (0, 9, -1, True, 2.0, "3"):
-        with pytest.raises(ValueError, match=rf"num_speculative_tokens must be an int in \[1, 8\] \(the model has 8 "
+        with pytest.raises(ArgumentError, match=rf"num_speculative_tokens must be an int in \[1, 8\] \(the model has 8 "
                                              rf"loaded MTP depth\(s\).*got {bad!r}"):
             Drafter(model, 1, 8, compile=False, num_speculative_tokens=bad)
 

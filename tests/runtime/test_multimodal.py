@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
 from inkling_compiled.runtime.multimodal import merged_rows
@@ -199,7 +200,7 @@ def test_media_the_towers_cannot_take_are_refused_by_name(tiny_mm, inputs, match
     target, mtp = tiny_mm
     ids, mask, _ = image_prompt(0)
     drafter = Drafter(mtp, 1, 64, compile=False)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ArgumentError, match=match):
         speculative_generate(target, drafter, ids, mask, max_new_tokens=2, **inputs)
 
 
@@ -214,7 +215,7 @@ def test_a_text_only_drafter_is_refused_for_an_image_prompt_before_any_model_cal
                                                  pixel_values=pixels),
                     lambda: target.generate(ids, attention_mask=mask, pixel_values=pixels, max_new_tokens=2,
                                             custom_generate=custom_generate, drafter=StandInDrafter(500))):
-            with pytest.raises(ValueError, match=r"an image or audio prompt needs a drafter whose draft takes "
+            with pytest.raises(ArgumentError, match=r"an image or audio prompt needs a drafter whose draft takes "
                                                  r"inputs_embeds .*; StandInDrafter.draft does not"):
                 run()
     finally:
@@ -227,5 +228,5 @@ def test_a_bf16_targets_media_are_checked_against_its_towers():
     target = synthetic.load_hf_target(synthetic.cached_checkpoint("tiny"), dtype=torch.bfloat16)
     ids, _, pixels = image_prompt(0)
     assert merged_rows(target, ids, pixel_values=pixels.bfloat16()).dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="pixel_values must be a torch.bfloat16 tensor"):
+    with pytest.raises(ArgumentError, match="pixel_values must be a torch.bfloat16 tensor"):
         merged_rows(target, ids, pixel_values=pixels)

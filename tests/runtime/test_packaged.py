@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.runtime import Drafter, PackageError, PackageMismatch, packaged
 from inkling_compiled.testing.kernel_stats import aoti_package_sources, aoti_package_stats
 from tests.helpers import random_mtp, tiny_text_config
@@ -185,7 +186,7 @@ def test_a_package_for_another_k_is_refused_naming_it(model, packages):
     with pytest.raises(PackageMismatch, match="num_speculative_tokens 3 vs 2 here") as raised:
         Drafter.load_compiled(packages[3], model, num_speculative_tokens=2)
     assert raised.value.fields == ("num_speculative_tokens",)
-    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an int in \[1, 3\]"):
+    with pytest.raises(ArgumentError, match=r"num_speculative_tokens must be an int in \[1, 3\]"):
         Drafter.load_compiled(packages[3], model, num_speculative_tokens=4)
 
 
@@ -256,14 +257,14 @@ def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(eag
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(batch_sizes=(3,)), "exceeds the drafter's max_batch_size 2"),
+    (dict(batch_sizes=(3,)), r"batch_sizes must be at most the drafter's max_batch_size 2, got \(3,\)"),
     (dict(rows=(0,)), "each of rows must be an int >= 1"),
     (dict(sampled=1), "sampled must be a bool"),
     (dict(batch_sizes=()), r"batch_sizes must name at least one size, got \(\)"),  # was an empty package
     (dict(rows=[]), r"rows must name at least one size, got \(\)"),
 ])
 def test_save_compiled_arguments_are_checked(eager, tmp_path, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ArgumentError, match=match):
         eager[1].save_compiled(tmp_path / "p", **kwargs)
     assert not (tmp_path / "p").exists()
 

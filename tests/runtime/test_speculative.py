@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.generate import main as generate_cli
 from inkling_compiled.runtime import Drafter, speculative
 from inkling_compiled.runtime.speculative import speculative_generate, target_distribution
@@ -369,7 +370,7 @@ def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, mat
     if case.get("bool_ids"):
         ids = ids > 50
     drafter = ExplodingDrafter(120, max_batch_size=2, max_length=12)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ArgumentError, match=match):
         speculative_generate(target, drafter, ids, mask, max_new_tokens=case.get("max_new_tokens", 3),
                              temperature=case.get("temperature", 0.0), top_p=case.get("top_p", 1.0),
                              generator=case.get("generator"), eos_token_id=case.get("eos"),
@@ -396,7 +397,7 @@ def test_the_drafter_contract_is_checked(target):
     """A drafter lacking a member of ``DraftSource`` is refused before any model call; a draft result of another
     type, at the first draft."""
     ids = torch.randint(1, 100, (1, 4))
-    with pytest.raises(ValueError, match=r"drafter must follow the DraftSource protocol .* got WithoutK"):
+    with pytest.raises(ArgumentError, match=r"drafter must follow the DraftSource protocol .* got WithoutK"):
         speculative_generate(target, WithoutK(), ids, max_new_tokens=3)
     with pytest.raises(TypeError, match="drafter.draft must return a DraftResult, got SimpleNamespace"):
         speculative_generate(target, OneDraftShape(120, max_batch_size=1, max_length=12), ids, max_new_tokens=3)
@@ -409,7 +410,7 @@ def test_a_drafters_sizes_are_checked_before_any_model_call(target, member, valu
     drafter = StandInDrafter(120)
     setattr(drafter, member, value)
     drafter.draft = lambda *args, **kwargs: pytest.fail("drafter called")
-    with pytest.raises(ValueError, match=f"drafter.{member} must be an int >= 1, got {value!r}"):
+    with pytest.raises(ArgumentError, match=f"drafter.{member} must be an int >= 1, got {value!r}"):
         speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
 
 
@@ -464,7 +465,7 @@ def test_a_custom_drafters_probs_are_checked_when_sampling_only(target):
 def test_a_drafter_built_for_another_model_is_rejected(target, overrides, match):
     drafter = Drafter(random_mtp(tiny_text_config(**overrides)), max_batch_size=1, max_length=16, compile=False,
                       num_speculative_tokens=1)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ArgumentError, match=match):
         speculative_generate(target, drafter, torch.randint(1, 100, (1, 4)), max_new_tokens=3)
 
 

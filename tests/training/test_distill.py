@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.training import distill as D
 from tests.helpers import QUICK_DISTILL as QUICK
 from tests.helpers import both_libraries
@@ -118,7 +119,7 @@ def test_default_out_dir_is_keyed_by_the_arguments(tiny_checkpoint):
 def test_distill_arguments_are_checked_before_anything_runs(tiny_checkpoint, tmp_path, monkeypatch, overrides,
                                                             match):
     monkeypatch.setattr(D, "load_hf_target", lambda *args, **kwargs: pytest.fail("the target was loaded"))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ArgumentError, match=match):
         D.distill(tiny_checkpoint, tmp_path / "out", progress=False, **{**QUICK, **overrides})
     assert not (tmp_path / "out").exists()
 

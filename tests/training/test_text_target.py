@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from inkling_compiled import InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.runtime import Drafter, speculative_generate
 from inkling_compiled.testing.synthetic import load_hf_mtp, load_hf_target, raw_text_tensors, write_checkpoint
 from inkling_compiled.training import distill as D
@@ -88,7 +89,7 @@ def test_prompt_windows_start_at_line_starts_inside_one_file():
     assert int(windows.max()) < T.BYTES  # no window runs over the EOS / BOS between the two files
     assert torch.equal(windows, T.line_start_windows(stream, 64, 6, seed=3))
     assert not torch.equal(windows, T.line_start_windows(stream, 64, 6, seed=4))
-    with pytest.raises(ValueError, match="windows of 6 bytes"):
+    with pytest.raises(ArgumentError, match="windows of 6 bytes"):
         T.line_start_windows(stream[:100], 64, 6, seed=3)
 
 
@@ -110,9 +111,9 @@ def test_config_has_the_byte_vocab_and_inklings_mtp_pattern():
 def test_config_rejects_sizes_it_cannot_build():
     import dataclasses
 
-    with pytest.raises(ValueError, match="not a multiple of head_dim"):
+    with pytest.raises(ArgumentError, match="not a multiple of head_dim"):
         T.text_config(dataclasses.replace(T.RECIPE, hidden_size=80, head_dim=32))
-    with pytest.raises(ValueError, match="num_layers 4 < 8"):
+    with pytest.raises(ArgumentError, match="num_layers 4 < 8"):
         T.text_config(dataclasses.replace(T.RECIPE, num_layers=4))
 
 
@@ -213,12 +214,12 @@ def test_built_directory_loads_in_both_libraries_with_8_depths(built):
 
 def test_distill_takes_given_prompts_and_checks_them(built):
     ids = torch.zeros(2, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="both prompts and eval_prompts"):
+    with pytest.raises(ArgumentError, match="both prompts and eval_prompts"):
         D.distill(built, built.parent / "x", prompts=ids, progress=False)
-    with pytest.raises(ValueError, match=r"\[N, P\] and \[M, P\]"):
+    with pytest.raises(ArgumentError, match=r"\[N, P\] and \[M, P\]"):
         D.distill(built, built.parent / "x", prompts=ids, eval_prompts=ids[:, :3], progress=False)
     target = load_hf_target(built)
-    with pytest.raises(ValueError, match=r"prompt ids must lie in \[0, 263\)"):
+    with pytest.raises(ArgumentError, match=r"prompt ids must lie in \[0, 263\)"):
         D.greedy_continuations(target, ids + 300, seq_len=8)
 
 
