@@ -168,9 +168,11 @@ def dtype(name: str, value, allowed) -> torch.dtype | None:
 
 
 def path(name: str, value) -> Path:
-    """``value`` as a Path; it must be a str or os.PathLike."""
+    """``value`` as a Path; it must be a non-empty str or os.PathLike."""
     if not isinstance(value, (str, os.PathLike)):
         raise ArgumentError(f"{name} must be a str or os.PathLike, got {type(value).__name__} {value!r}")
+    if not os.fspath(value):  # Path("") is the working directory: a save there would overwrite its files
+        raise ArgumentError(f"{name} must name a path, got {value!r}")
     return Path(value)
 
 

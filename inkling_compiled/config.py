@@ -187,7 +187,11 @@ class FieldRule:
 
 
 MAX_DEPTHS = 1024
-_COUNT = FieldRule(int, minimum=1)
+# A size bound far above any real model's (Inkling's largest size is its ~200k vocabulary) that keeps the product of
+# two sizes (a weight's elements) under 2**48: the modules are built on the meta device before the tensors' shapes
+# are compared, and a corrupt size must fail here, by name, not as an overflow inside torch.
+MAX_SIZE = 2**24
+_COUNT = FieldRule(int, minimum=1, maximum=MAX_SIZE)
 _POSITIVE = FieldRule(float, above=0)
 _FLAG = FieldRule(bool)
 # Every InklingTextConfig field the draft head reads, and what it must hold.
@@ -196,7 +200,7 @@ FIELD_RULES: dict[str, FieldRule] = {
     "num_mtp_layers": FieldRule(int, minimum=1, maximum=MAX_DEPTHS),
     "hidden_size": _COUNT,
     "vocab_size": _COUNT,
-    "unpadded_vocab_size": FieldRule(int, minimum=1, optional=True),
+    "unpadded_vocab_size": FieldRule(int, minimum=1, maximum=MAX_SIZE, optional=True),
     "num_attention_heads": _COUNT,
     "num_key_value_heads": _COUNT,
     "head_dim": _COUNT,

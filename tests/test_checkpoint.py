@@ -21,6 +21,7 @@ from torch import nn
 
 import inkling_compiled.checkpoint as C
 from inkling_compiled import CheckpointError, ConfigError, InklingMTP
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.checkpoint import reader, writer
 from inkling_compiled.checkpoint.target import same_device
 from inkling_compiled.testing import synthetic as S
@@ -232,7 +233,7 @@ def test_num_depths_out_of_range(sharded):
     with pytest.raises(CheckpointError, match=r"num_depths=3 but the checkpoint has 2 MTP depth\(s\)"):
         InklingMTP.from_pretrained(sharded, num_depths=3)
     for n in (0, -1):  # no depth at all is no count the checkpoint could hold
-        with pytest.raises(ValueError, match=rf"^num_depths must be >= 1 \(or None: every depth\), got {n}$"):
+        with pytest.raises(ArgumentError, match=rf"^num_depths must be an int >= 1, got {n}$"):
             InklingMTP.from_pretrained(sharded, num_depths=n)
 
 
@@ -319,6 +320,12 @@ def test_target_with_other_dims(sharded):
         InklingMTP.from_pretrained(sharded, target=other)
 
 
+def test_a_target_without_its_lm_head_is_refused(sharded):
+    text_model = S.load_hf_target(sharded).model  # InklingTextModel: an Inkling config, no LM head to share
+    with pytest.raises(CheckpointError, match=rf"with its LM head .*got {type(text_model).__name__}, which has none$"):
+        InklingMTP.from_pretrained(sharded, target=text_model)
+
+
 @pytest.mark.parametrize("kind", ["module", "llama"])
 def test_non_inkling_target(sharded, kind):
     if kind == "llama":
@@ -382,6 +389,15 @@ def test_save_one_depth_writes_one_depth_config(sharded, ref, tmp_path):
     back = InklingMTP.from_pretrained(tmp_path)
     assert back.config.num_depths == 1
     _assert_bit_exact(one, back)
+
+
+def test_a_save_that_would_drop_depths_it_did_not_load_is_refused(sharded, tmp_path):
+    shutil.copytree(sharded, tmp_path / "c")
+    before = _snapshot(tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"holds MTP depth\(s\) \[1\], which this model \(loaded with fewer "
+                                              r"num_depths\) lacks and the save would drop"):
+        InklingMTP.from_pretrained(tmp_path / "c", num_depths=1).save_pretrained(tmp_path / "c")
+    assert _snapshot(tmp_path / "c") == before
 
 
 def test_save_one_depth_of_a_text_config_model(tmp_path):
@@ -777,9 +793,24 @@ def test_index_maps_a_key_to_a_file_holding_another(broken):
 # ------------------------------------------------------------------------------------------------ arguments
 
 
-@pytest.mark.parametrize("num_depths, message", [(True, "True"), (1.5, "1.5"), ("2", "'2'")])
+def test_an_empty_path_is_refused_not_taken_for_the_working_directory(sharded, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    mtp = InklingMTP.from_pretrained(sharded)
+    for call in (lambda: InklingMTP.from_pretrained(""), lambda: mtp.save_pretrained("")):
+        with pytest.raises(ArgumentError, match=r"^checkpoint path must name a path, got ''$"):
+            call()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quantize_head_is_checked_without_quantize(sharded):
+    with pytest.raises(ArgumentError, match="^quantize_head must be a bool, got 'x'$"):
+        InklingMTP.from_pretrained(sharded, quantize_head="x")
+
+
+@pytest.mark.parametrize("num_depths, message", [(True, "True"), (1.5, "1.5"), ("2", "'2'"),
+                                                  (torch.tensor([1.5]), r"tensor\(\[1\.5000\]\)")])
 def test_num_depths_type(sharded, num_depths, message):
-    with pytest.raises(TypeError, match=rf"^num_depths must be an int or None, got {message}$"):
+    with pytest.raises(ArgumentError, match=rf"^num_depths must be an int >= 1, got {message}$"):
         InklingMTP.from_pretrained(sharded, num_depths=num_depths)
 
 
@@ -996,15 +1027,6 @@ def test_save_over_a_sharded_checkpoint_loads_what_was_saved(sharded, other, tmp
     assert torch.equal(target.lm_head.weight, other.lm_head_weight)
 
 
-def test_save_one_depth_over_two_drops_the_stale_index_entries(sharded, ckpt_root, tmp_path):
-    path = _copy(sharded, tmp_path / "sharded")
-    one = InklingMTP.from_pretrained(S.cached_checkpoint("tiny", root=ckpt_root, seed=1), num_depths=1)
-    one.save_pretrained(path)
-    weight_map = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
-    assert not [k for k in weight_map if k.startswith("model.mtp.layers.1.")]
-    _assert_bit_exact(InklingMTP.from_pretrained(path), one)
-
-
 def test_save_without_shared_over_a_sharded_checkpoint(sharded, other, tmp_path):
     path = _copy(sharded, tmp_path / "sharded")
     index_before = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
@@ -1059,7 +1081,7 @@ def test_save_into_the_directory_it_was_loaded_from(saved, tmp_path):
 def test_save_over_a_symlinked_snapshot_leaves_the_blobs_alone(saved, tmp_path):
     """A Hugging Face cache snapshot holds symlinks into shared blobs: writing through them would corrupt every
     snapshot (and the hash) of those blobs. The new files replace the links."""
-    one = InklingMTP.from_pretrained(saved, num_depths=1)  # another config.json too
+    one = InklingMTP.from_pretrained(saved, dtype=torch.bfloat16)  # another config.json too (its dtype)
     blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
     blobs.mkdir()
     snapshot.mkdir()

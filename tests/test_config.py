@@ -161,6 +161,10 @@ UNWORKABLE = [
     ("log_scaling_alpha", NAN, "log_scaling_alpha must be finite, got nan"),
     ("log_scaling_alpha", -INF, "log_scaling_alpha must be finite, got -inf"),
     ("num_mtp_layers", 10**9, "num_mtp_layers must be <= 1024, got 1000000000"),
+    # sizes whose weights would overflow torch's storage size while the modules are built on the meta device
+    ("hidden_size", 10**12, f"hidden_size must be <= {2**24}, got {10**12}"),
+    ("vocab_size", 10**17, f"vocab_size must be <= {2**24}, got {10**17}"),
+    ("intermediate_size", 10**18, f"intermediate_size must be <= {2**24}, got {10**18}"),
 ]
 # values a transformers without strict field types (or an extra field it does not type) lets through
 MISTYPED = [

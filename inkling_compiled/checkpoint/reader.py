@@ -21,7 +21,6 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .. import arguments
-from ..arguments import ArgumentError
 from ..config import CONFIG_FILE, MTPConfig, read_config_file, read_json_object
 from .layout import (
     INDEX_FILE,
@@ -47,15 +46,14 @@ Header = dict[str, tuple[str, tuple[int, ...]]]  # one safetensors file: key -> 
 # ------------------------------------------------------------------------------------------------ arguments
 
 
-def _check_num_depths(num_depths, stored: int) -> None:
+def _check_num_depths(num_depths, stored: int) -> int | None:
+    """``num_depths`` as an int (None: every depth); more than the checkpoint stores is a CheckpointError."""
     if num_depths is None:
-        return
-    if isinstance(num_depths, bool) or not hasattr(type(num_depths), "__index__"):
-        raise ArgumentError(f"num_depths must be an int or None, got {num_depths!r}")
-    if num_depths < 1:
-        raise ArgumentError(f"num_depths must be >= 1 (or None: every depth), got {num_depths!r}")
+        return None
+    num_depths = arguments.integer("num_depths", num_depths, minimum=1)
     if num_depths > stored:
         raise CheckpointError(f"num_depths={num_depths} but the checkpoint has {stored} MTP depth(s)")
+    return num_depths
 
 
 # ------------------------------------------------------------------------------------------------ reading files
@@ -232,7 +230,7 @@ def open_checkpoint(path, *, num_depths: int | None = None, mtp_log_scaling: boo
     # parsed without importing transformers where it can be (config.py)
     config = MTPConfig.from_config_dict(read_config_file(path), path / CONFIG_FILE, mtp_log_scaling=mtp_log_scaling)
     stored = config.num_depths
-    _check_num_depths(num_depths, stored)
+    num_depths = _check_num_depths(num_depths, stored)
     if num_depths is not None:
         config = replace(config, depths=config.depths[:num_depths])
     located, duplicates, headers = _locate(path)

@@ -36,7 +36,11 @@ def target_shared_parameters(target: nn.Module, config: MTPConfig,
                           f"embed_norm, the checkpoint config has use_embed_norm={config.use_embed_norm}")
     if mismatched:
         raise CheckpointError("target config does not match the MTP checkpoint config: " + "; ".join(mismatched))
-    shared = {"embed_weight": embedding.weight, "lm_head_weight": target.get_output_embeddings().weight}
+    head_module = target.get_output_embeddings()
+    if head_module is None:  # a bare InklingTextModel: the MTP shares the LM head, which only the CausalLM holds
+        raise CheckpointError(f"target must be a transformers Inkling model with its LM head (InklingForCausalLM or "
+                              f"InklingForConditionalGeneration), got {type(target).__name__}, which has none")
+    shared = {"embed_weight": embedding.weight, "lm_head_weight": head_module.weight}
     if config.use_embed_norm:
         shared["embed_norm_weight"] = embed_norm.weight
     head = shared["lm_head_weight"]

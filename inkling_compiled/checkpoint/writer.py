@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -92,7 +93,7 @@ def _files_to_write(tensors: Mapping[str, torch.Tensor], include_shared: bool):
 
 def _updated_index(path: Path, files: Mapping[str, Iterable[str]]) -> dict | None:
     """The directory's index (None if it has none) naming ``files`` for exactly the keys they will hold; entries
-    for the target's other tensors are kept, stale ones for the files rewritten or for MTP depths dropped."""
+    for the target's other tensors are kept, stale ones for the files rewritten or MTP keys it no longer holds."""
     index = read_index(path)
     if index is None:
         return None
@@ -102,20 +103,25 @@ def _updated_index(path: Path, files: Mapping[str, Iterable[str]]) -> dict | Non
     return {**index, "weight_map": dict(sorted({**kept, **written}.items()))}
 
 
+_DEPTH_KEY = re.compile(re.escape(f"{MTP_PREFIX}layers.") + r"(\d+)\.")
+
+
 def _refuse_data_loss(path: Path, files: Mapping[str, Mapping[str, torch.Tensor]], *, has_index: bool) -> None:
-    """Refuse a save that would destroy tensors it does not own, or leave a key in two files with no index."""
+    """Refuse a save that would destroy tensors it does not own or depths it did not load, or leave a key in two
+    files with no index."""
     ours = {k for keys in files.values() for k in keys}
     problems = []
     for name in files:
         if (path / name).is_file():
-            try:
-                held = read_header(path / name)
-            except CheckpointError:
-                continue  # an unreadable file holds nothing to lose
-            foreign = sorted(k for k in held if not is_draft_key(k))
+            foreign = sorted(k for k in _readable_keys(path / name) if not is_draft_key(k))
             if foreign:
                 problems.append(f"replacing {name} would destroy {len(foreign)} tensor(s) this save does not own "
                                 f"(e.g. {foreign[:3]})")
+    dropped = sorted(_depths(k for file in path.glob("*.safetensors") if file.is_file()
+                             for k in _readable_keys(file)) - _depths(ours))
+    if dropped:  # a model loaded with num_depths=... saved back over its source
+        problems.append(f"the checkpoint here holds MTP depth(s) {dropped}, which this model (loaded with fewer "
+                        f"num_depths) lacks and the save would drop")
     if not has_index:
         for file in sorted(path.glob("*.safetensors")):
             if file.name not in files and file.is_file():
@@ -126,6 +132,18 @@ def _refuse_data_loss(path: Path, files: Mapping[str, Mapping[str, torch.Tensor]
     if problems:
         raise CheckpointError(f"{path}: refusing to save here: " + "; ".join(problems)
                               + " (save to a new directory, or pass include_shared=False to write only the MTP)")
+
+
+def _readable_keys(file: Path) -> list[str]:
+    try:
+        return list(read_header(file))
+    except CheckpointError:  # an unreadable file holds nothing to lose
+        return []
+
+
+def _depths(keys: Iterable[str]) -> set[int]:
+    """The MTP depth indices raw ``keys`` hold tensors of."""
+    return {int(m[1]) for k in keys if (m := _DEPTH_KEY.match(k))}
 
 
 def _write_json(file: Path, data: dict) -> None:

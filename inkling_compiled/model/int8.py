@@ -66,9 +66,9 @@ def check_runs_int8(device: torch.device, dtype: torch.dtype) -> None:
     if device.type not in DEVICES:
         raise ArgumentError(f"int8 weight-only drafting has kernels on {' and '.join(DEVICES)}, not on {device}")
     if dtype != ACTIVATION_DTYPE:
-        raise ArgumentError(f"int8 weight-only drafting runs with bfloat16 activations, this model runs in {dtype}: "
-                            "with float32 activations no int8 kernel applies (the weight would be converted on every "
-                            "call, over 10x slower than float32); load with dtype=torch.bfloat16 or call "
+        raise ArgumentError(f"int8 weight-only drafting runs with bfloat16 activations, this model runs in {dtype}, "
+                            "for which no int8 kernel applies (the weight would be converted on every call: over 10x "
+                            "slower than not quantizing, measured in float32); load with dtype=torch.bfloat16 or call "
                             ".to(torch.bfloat16) before quantizing (with target=, the target must be bfloat16)")
 
 

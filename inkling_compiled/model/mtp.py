@@ -97,9 +97,9 @@ class InklingMTP(nn.Module):
         if parallel is not None and quantize is not None:
             raise ArgumentError(f"quantize={quantize!r} with device_mesh=: quantized tensor-parallel models are not "
                                 "supported; load unquantized, or without a mesh")
+        arguments.check_bool("quantize_head", quantize_head)
         if quantize is not None:
             int8.check_scheme(quantize)
-            arguments.check_bool("quantize_head", quantize_head)
             if dtype is None and target is None:
                 dtype = int8.ACTIVATION_DTYPE
         checkpoint = open_checkpoint(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)

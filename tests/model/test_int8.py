@@ -208,6 +208,11 @@ def test_float32_activations_are_refused_not_converted(checkpoint):
         InklingMTP.from_pretrained(checkpoint, target=target, quantize="int8")
 
 
+def test_float16_activations_are_refused_naming_float16():
+    with pytest.raises(ArgumentError, match=r"runs in torch.float16, for which no int8 kernel applies"):
+        random_mtp(dtype=torch.float16).quantize_("int8")
+
+
 def test_converting_a_quantized_model_to_float32_fails_at_the_next_call():
     mtp = random_mtp(dtype=BF16).quantize_("int8").to(torch.float32)
     with pytest.raises(ArgumentError, match=r"bfloat16 activations, this model runs in torch.float32"):
