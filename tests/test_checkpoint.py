@@ -310,6 +310,16 @@ def test_device_matching_rule():
     assert not same_device(torch.device("cpu"), torch.device("cuda", 0))
 
 
+def test_target_with_another_logits_vocabulary_or_mup(sharded):
+    from transformers import InklingForCausalLM
+
+    other = InklingForCausalLM(tiny_text_config(hidden_size=64, vocab_size=512, unpadded_vocab_size=480,
+                                                logits_mup_width_multiplier=12.0))
+    with pytest.raises(CheckpointError, match=r"logits vocabulary \(unpadded_vocab_size\): target 480, checkpoint "
+                                              r"\d+; logits_mup_width_multiplier: target 12.0, checkpoint [\d.]+$"):
+        InklingMTP.from_pretrained(sharded, target=other)
+
+
 def test_target_with_other_dims(sharded):
     from transformers import InklingForCausalLM
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..config import MTPConfig
+from ..config import MTPConfig, logits_vocab_size
 from .layout import SAFETENSORS_NAMES, CheckpointError, aligned
 
 
@@ -26,9 +26,11 @@ def target_shared_parameters(target: nn.Module, config: MTPConfig,
     if text is None or getattr(text, "model_type", None) != "inkling_text":
         raise CheckpointError(f"target must be a transformers Inkling model (InklingForCausalLM or "
                               f"InklingForConditionalGeneration), got {type(target).__name__}")
-    mismatched = [f"{name}: target {getattr(text, name)}, checkpoint {value}"
-                  for name, value in (("hidden_size", config.hidden_size), ("vocab_size", config.vocab_size))
-                  if getattr(text, name) != value]
+    compared = (("hidden_size", text.hidden_size, config.hidden_size),
+                ("vocab_size", text.vocab_size, config.vocab_size),
+                ("logits vocabulary (unpadded_vocab_size)", logits_vocab_size(target.config), config.logits_vocab_size),
+                ("logits_mup_width_multiplier", text.logits_mup_width_multiplier, config.mup))
+    mismatched = [f"{name}: target {theirs}, checkpoint {ours}" for name, theirs, ours in compared if theirs != ours]
     embedding = target.get_input_embeddings()
     embed_norm = getattr(embedding, "embed_norm", None)
     if (embed_norm is not None) != config.use_embed_norm:
