@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import operator
 import os
 from pathlib import Path
@@ -32,8 +33,8 @@ def is_int(value) -> bool:
 
 
 def is_number(value) -> bool:
-    """An int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number that is not a bool: an int, a float, a NumPy scalar (whatever registers as numbers.Real)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_bool(name: str, value, *, optional: bool = False) -> None:

@@ -99,6 +99,10 @@ class _Reached(Exception):
     """The loop called the target: every argument was accepted."""
 
 
+def _reached(*args, **kwargs):
+    raise _Reached
+
+
 @pytest.fixture(scope="module")
 def target():
     return make_target()  # vocab 128
@@ -107,10 +111,7 @@ def target():
 @settings(SWEEP, max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(SCALARS)), value=hostile)
 def test_every_scalar_of_the_loop_is_accepted_or_refused_by_name(target, monkeypatch, name, value):
-    def reached(*args, **kwargs):
-        raise _Reached
-
-    monkeypatch.setattr(speculative, "_target_step", reached)
+    monkeypatch.setattr(speculative, "_target_step", _reached)
     drafter = StandInDrafter(128, max_batch_size=2, max_length=2**80)
     kwargs = {**SCALARS, name: value}
     try:
@@ -130,4 +131,12 @@ def test_array_likes_that_are_no_integer_are_refused_by_name(target, monkeypatch
     """They have ``__index__`` and raise in it: a TypeError that named no argument."""
     monkeypatch.setattr(speculative, "_target_step", lambda *args, **kwargs: pytest.fail("target called"))
     with pytest.raises(ValueError, match=rf"^(each of )?{name} must be"):
+        speculative_generate(target, StandInDrafter(128), torch.randint(1, 100, (1, 4)), **{**SCALARS, name: value})
+
+
+@pytest.mark.parametrize("name, value", [("temperature", np.float32(0.5)), ("top_p", np.float32(0.9)),
+                                         ("max_new_tokens", np.int64(3))], ids=repr)
+def test_numpy_scalars_are_accepted_like_python_numbers(target, monkeypatch, name, value):
+    monkeypatch.setattr(speculative, "_target_step", _reached)
+    with pytest.raises(_Reached):
         speculative_generate(target, StandInDrafter(128), torch.randint(1, 100, (1, 4)), **{**SCALARS, name: value})
