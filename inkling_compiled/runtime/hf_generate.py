@@ -23,6 +23,7 @@ from transformers.generation import (
     GenerateDecoderOnlyOutput,
     LogitsProcessorList,
     MaxLengthCriteria,
+    RepetitionPenaltyLogitsProcessor,
     StoppingCriteriaList,
     TemperatureLogitsWarper,
 )
@@ -96,15 +97,14 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
     input_ids, attention_mask, eos, pad = _validate(model, drafter, input_ids, model_kwargs.get("attention_mask"),
                                                     max_new_tokens, draft_temperature, 1.0, generator, lockstep, eos,
                                                     None if pad is None else int(pad))
-    batch = input_ids.shape[0]
     beyond_temperature = LogitsProcessorList(p for p in logits_processor if not isinstance(p, TemperatureLogitsWarper))
     decoding = Decoding(
         greedy=not do_sample, draft_temperature=draft_temperature,
-        scores=_processor_scores(logits_processor, batch) if len(logits_processor) else None,
+        scores=_processor_scores(logits_processor) if len(logits_processor) else None,
         needs_context=any(type(p).__name__ not in CONTEXT_FREE_PROCESSORS for p in logits_processor),
-        draft_scores=_processor_scores(beyond_temperature, batch) if do_sample and len(beyond_temperature) else None,
+        draft_scores=_processor_scores(beyond_temperature) if do_sample and len(beyond_temperature) else None,
         stop=(lambda sequences: StoppingCriteriaList(criteria)(sequences, None)) if criteria else None,
-        pad_after_stop=bool(eos), streamer=streamer)
+        pad_after_stop=_pads_after_stop(stopping_criteria), streamer=streamer)
     media = {name: model_kwargs.get(name) for name in MULTIMODAL_KWARGS}
     check_drafter_takes_rows(drafter, media)
     with torch.no_grad():
@@ -150,33 +150,45 @@ def _refuse_unsupported(generation_config, synced_gpus, assistant, model_kwargs)
         raise ArgumentError(f"custom_generate cannot honour the model inputs {unknown}")
 
 
+def _pads_after_stop(stopping_criteria: StoppingCriteriaList) -> bool:
+    """Whether ``generate`` pads a row after any stop: its sampling loop does so whenever a criterion holds an
+    ``eos_token_id`` (the EosTokenCriteria it adds even for ``eos_token_id=[]``), whatever the ids are."""
+    return any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+
+
 def _draft_temperature(processors: LogitsProcessorList) -> float:
     """The temperature the drafter samples at: the processors' (so its q is tempered like p), else 1."""
     tempered = [p.temperature for p in processors if isinstance(p, TemperatureLogitsWarper)]
     return float(tempered[-1]) if tempered else 1.0
 
 
-def _processor_scores(processors: LogitsProcessorList, batch: int):
+def _processor_scores(processors: LogitsProcessorList):
     """(context, scores [n, V], batch rows [n] or None) -> processed scores, after checking every processor acts on
-    each row alone. A processor holding per-row tensors (``RepetitionPenaltyLogitsProcessor``'s prompt padding
-    lengths) is called as a copy holding the given rows' entries."""
+    each row alone. The one per-row state among transformers' processors, ``RepetitionPenaltyLogitsProcessor``'s
+    ``prompt_ignore_length`` tensor [B] (generate's prompt padding lengths), is cut to the given rows; any other
+    processor sees only the n rows' tokens and scores."""
     for processor in processors:
         name = type(processor).__name__
         from_transformers = type(processor).__module__.startswith("transformers.")
         if from_transformers and name not in ROW_PROCESSORS:
             raise ArgumentError(f"custom_generate cannot honour the logits processor {name} (it is not a function of "
                                 "each row's own tokens and scores)")
-    per_row = [[name for name, value in vars(p).items() if isinstance(value, torch.Tensor) and value.dim() >= 1
-                and value.shape[0] == batch] for p in processors]
 
     def scores_of(context, scores, rows):
         scores = scores.float()
-        for processor, names in zip(processors, per_row):
-            if names and rows is not None:
-                processor = copy.copy(processor)
-                for name in names:
-                    setattr(processor, name, getattr(processor, name)[rows.to(getattr(processor, name).device)])
-            scores = processor(context, scores)
+        for processor in processors:
+            scores = (processor if rows is None else _for_rows(processor, rows))(context, scores)
         return scores
 
     return scores_of
+
+
+def _for_rows(processor, rows: torch.Tensor):
+    """``processor`` as applied to the batch rows ``rows`` alone: a copy holding their ``prompt_ignore_length``
+    entries when it is a repetition penalty given per row, else ``processor`` itself."""
+    ignore = getattr(processor, "prompt_ignore_length", None)
+    if not (isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(ignore, torch.Tensor)):
+        return processor
+    processor = copy.copy(processor)
+    processor.prompt_ignore_length = ignore[rows.to(ignore.device)]
+    return processor

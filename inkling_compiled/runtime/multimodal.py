@@ -18,6 +18,8 @@ from ..arguments import ArgumentError, ids_below, integer_tensor
 
 # generate()'s keyword arguments that carry a prompt's image and audio inputs
 MULTIMODAL_KWARGS = ("pixel_values", "audio_input_ids", "audio_input_ids_mask", "mm_encoder_outputs")
+# the mm_encoder_outputs keys transformers' Inkling reads (generate pre-encodes images only; audio is encoded inside)
+ENCODER_OUTPUT_KEYS = ("image",)
 
 
 def check_drafter_takes_rows(drafter, media: dict) -> None:
@@ -44,6 +46,10 @@ def merged_rows(target, input_ids: torch.Tensor, *, pixel_values=None, audio_inp
     if not (mm_encoder_outputs is None or isinstance(mm_encoder_outputs, Mapping)):
         raise ArgumentError(f"mm_encoder_outputs must be a dict (generate's {{'image': <vision output>}}) or None, "
                             f"got {type(mm_encoder_outputs).__name__}")
+    unknown = [key for key in (mm_encoder_outputs or {}) if key not in ENCODER_OUTPUT_KEYS]
+    if unknown:  # transformers' Inkling would ignore them: an audio given there was silently left out
+        raise ArgumentError(f"mm_encoder_outputs takes only the key 'image' (the target's vision output), got "
+                            f"{unknown}")
     if audio_input_ids_mask is not None and audio_input_ids is None:
         raise ArgumentError("audio_input_ids_mask was given without audio_input_ids")
     image = (mm_encoder_outputs or {}).get("image")
@@ -60,7 +66,7 @@ def merged_rows(target, input_ids: torch.Tensor, *, pixel_values=None, audio_inp
     if image is None and pixel_values is not None:
         image = base.get_image_features(pixel_values, return_dict=True)
     if image is not None:
-        rows = _scatter(base, input_ids, rows, image.pooler_output, base.config.image_token_id)
+        rows = _scatter(base, input_ids, rows, _image_features(target, image), base.config.image_token_id)
     if audio_input_ids is not None:
         audio = base.get_audio_features(audio_input_ids, audio_input_ids_mask).last_hidden_state
         rows = _scatter(base, input_ids, rows, audio, base.config.audio_token_id)
@@ -97,6 +103,21 @@ def _checked_media(target, pixel_values, audio_input_ids, audio_input_ids_mask):
         raise ArgumentError(f"audio_input_ids_mask must be a 0 / 1 tensor of shape {list(audio_input_ids.shape[:2])} "
                             f"(audio_input_ids' [audios, frames]), got {_described(mask)}")
     return pixel_values, audio_input_ids
+
+
+def _image_features(target, image) -> torch.Tensor:
+    """The pooler_output of ``mm_encoder_outputs['image']``, or an ArgumentError saying what it must be (a bare
+    tensor was an AttributeError from inside the merge; features of another width fail the placeholder count or,
+    with the same element count, merge garbage)."""
+    hidden = target.config.get_text_config().hidden_size
+    features = getattr(image, "pooler_output", None)
+    if not (isinstance(features, torch.Tensor) and features.is_floating_point() and features.dim() >= 2
+            and features.shape[-1] == hidden):
+        got = _described(image) if features is None else f"one whose pooler_output is {_described(features)}"
+        raise ArgumentError(f"mm_encoder_outputs['image'] must be the target's vision output, as "
+                            f"get_image_features(pixel_values, return_dict=True) returns it (its pooler_output a "
+                            f"floating-point tensor [patches, 1, {hidden}]), got {got}")
+    return features
 
 
 def _described(value) -> str:

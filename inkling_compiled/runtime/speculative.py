@@ -279,7 +279,7 @@ class Decoding:
     (sampling); the draft is then re-drawn from it by a maximal coupling, so it stays the drafter's token whenever
     it can. ``stop(sequences [n, L]) -> bool [n]`` is a stopping
     criterion checked after every emitted token; with ``pad_after_stop`` a row it ends is finished (padding after),
-    without it (``generate`` with no EOS id) the row goes on until every row has been stopped once.
+    without it (``generate`` with no EOS criterion) the row goes on until every row has been stopped once.
     """
 
     greedy: bool = True

@@ -88,6 +88,21 @@ def test_processors_are_applied_to_the_target(target):
     assert not torch.equal(plain, reference)  # the processors changed the continuation
 
 
+def test_processor_token_lists_as_long_as_the_batch_apply_to_every_row(target):
+    """Batch 2 with two suppressed tokens, or two EOS ids held back by min_new_tokens: once the rows' counts
+    diverged, each row applied only "its" id (the [2] tensors were taken for per-row state), so row 1 emitted
+    the token at index 0 (suppressed, or an EOS too early)."""
+    ids, mask = prompts_for(2, seed=1)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW)[:, ids.shape[1]:]
+    token = int(plain[1, 4])  # row 1 emits it after the counts diverged, row 0 never does
+    unused = next(t for t in range(1, 120) if t not in plain)
+    assert token not in plain[0] and token not in plain[1, :4]
+    for options in (dict(suppress_tokens=[token, unused], no_repeat_ngram_size=MAX_NEW),
+                    dict(eos_token_id=[token, unused], pad_token_id=PAD, min_new_tokens=MAX_NEW - 1)):
+        reference, ours = both(target, ids, mask, 1, 5, max_new_tokens=MAX_NEW, **options)
+        assert torch.equal(ours, reference), options
+
+
 class StopAfter(StoppingCriteria):
     """Stops a row once it has emitted ``token`` (records every call's width)."""
 
@@ -99,13 +114,14 @@ class StopAfter(StoppingCriteria):
         return (input_ids[:, self.prompt_len:] == self.token).any(dim=1)
 
 
-@pytest.mark.parametrize("with_eos", [False, True])
-def test_custom_stopping_criterion_cuts_the_round_there(target, with_eos):
-    """All drafts right, K = 8: the stop falls inside a round, which is cut exactly there (with an EOS id set the
-    row is padded after it; without one, like generate, a stopped row goes on until every row has stopped)."""
+@pytest.mark.parametrize("eos_ids", [None, 119, []])
+def test_custom_stopping_criterion_cuts_the_round_there(target, eos_ids):
+    """All drafts right, K = 8: the stop falls inside a round, which is cut exactly there (with an EOS criterion,
+    which generate adds even for ``eos_token_id=[]``, the row is padded after it; without one, like generate, a
+    stopped row goes on until every row has stopped)."""
     ids, mask = prompts_for(3, seed=11)
     token = continuation_token(target, ids, mask, 3)
-    eos = dict(eos_token_id=119, pad_token_id=PAD) if with_eos else {}
+    eos = {} if eos_ids is None else dict(eos_token_id=eos_ids, pad_token_id=PAD)
     reference, ours = both(target, ids, mask, 8, 0, max_new_tokens=MAX_NEW,
                            stopping_criteria=[StopAfter(token, ids.shape[1])], **eos)
     assert torch.equal(ours, reference)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.arguments import ArgumentError
@@ -193,15 +194,28 @@ def test_cli_decodes_an_image_and_audio_prompt(capsys, dtype):
      r"audio_input_ids_mask must be a 0 / 1 tensor of shape \[1, 3\]"),
     (dict(audio_input_ids_mask=torch.ones(1, 3)), "audio_input_ids_mask was given without audio_input_ids"),
     (dict(mm_encoder_outputs="image"), "mm_encoder_outputs must be a dict"),
+    (dict(mm_encoder_outputs={"image": torch.randn(3, 64)}), r"mm_encoder_outputs\['image'\] must be the target's "
+                                                            r"vision output.* got a torch.float32 tensor on cpu of "
+                                                            r"shape \[3, 64\]"),
+    (dict(mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=torch.randn(6, 1, 32))}),
+     r"pooler_output a floating-point tensor \[patches, 1, 64\]\), got one whose pooler_output is a torch.float32 "
+     r"tensor on cpu of shape \[6, 1, 32\]"),
+    (dict(mm_encoder_outputs={"audio": torch.randn(3, 64)}), r"mm_encoder_outputs takes only the key 'image' .*got "
+                                                            r"\['audio'\]"),
 ])
 def test_media_the_towers_cannot_take_are_refused_by_name(tiny_mm, inputs, match):
-    """Each was an error from inside the towers (an index error; a CUDA device assert), garbage tokens (a NaN
-    patch), or silently ignored (a mask alone)."""
+    """Each was an error from inside the towers (an index error; a CUDA device assert) or the merge (an
+    AttributeError for a bare image tensor), garbage tokens (a NaN patch), or silently ignored (a mask alone, an
+    audio key in mm_encoder_outputs). generate hands mm_encoder_outputs to custom_generate as given."""
     target, mtp = tiny_mm
     ids, mask, _ = image_prompt(0)
     drafter = Drafter(mtp, 1, 64, compile=False)
     with pytest.raises(ArgumentError, match=match):
         speculative_generate(target, drafter, ids, mask, max_new_tokens=2, **inputs)
+    if "mm_encoder_outputs" in inputs:
+        with pytest.raises(ArgumentError, match=match):
+            target.generate(ids, attention_mask=mask, max_new_tokens=2, custom_generate=custom_generate,
+                            drafter=drafter, **inputs)
 
 
 def test_a_text_only_drafter_is_refused_for_an_image_prompt_before_any_model_call(tiny_mm):
