@@ -311,6 +311,7 @@ class Drafter:
         arguments.check_bool("cuda_graphs", cuda_graphs, optional=True)
         arguments.check_bool("cached_rounds", cached_rounds, optional=True)
         self.model = model
+        self._quantization = model.quantization  # what the compiled and packaged steps are built for
         self.num_speculative_tokens = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
         self.max_batch_size = arguments.positive_int("max_batch_size", max_batch_size)
         self.max_length = arguments.positive_int("max_length", max_length)
@@ -504,11 +505,19 @@ class Drafter:
 
     def check_model_unchanged(self) -> None:
         """ValueError when the model was converted (``.to``, ``.half``, ...) after this Drafter built its cache and
-        buffers for it: they would meet the new dtype or device inside the first kernel."""
+        buffers for it: they would meet the new dtype or device inside the first kernel. Also when it was quantized
+        (``quantize_``) since, unless the Drafter is eager with nothing packaged: packaged rounds and captured graphs
+        would keep reading the replaced weights, and the compile options were chosen for the old ones."""
         cache = self.cache.depths[0].k
         if (cache.dtype, cache.device) != (self.model.dtype, self.model.device):
             raise ValueError(f"the model is now {self.model.dtype} on {self.model.device}, but this Drafter was built "
                              f"for it as {cache.dtype} on {cache.device}: build a new Drafter after moving the model")
+        if self.model.quantization is not self._quantization and (self._compile_options is not None or self._packaged):
+            now, then = ("none" if q is None else f"{q.scheme} head={q.head}"
+                         for q in (self.model.quantization, self._quantization))
+            raise ValueError(f"the model's quantization is now {now}, but this Drafter was built for it with {then}: "
+                             "its compiled or packaged steps were made for the weights it had then; build a new "
+                             "Drafter after quantizing the model")
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took."""
@@ -590,8 +599,8 @@ class Drafter:
         arguments.check_bool("fallback", fallback)
         if num_speculative_tokens is not None:
             _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
-        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
-        k = manifest["built_for"].get("num_speculative_tokens") if num_speculative_tokens is None \
+        manifest = packaged.read_manifest(directory, layout_fields=packaged.LAYOUT_FIELDS)
+        k = manifest["built_for"]["num_speculative_tokens"] if num_speculative_tokens is None \
             else num_speculative_tokens
         inductor = _compile_options(compile_options, model.device.type == "cuda", fast_inductor_options(model))
         matches = packaged.matches(directory, manifest, packaged.built_for(model, inductor.get("options", {}), k),

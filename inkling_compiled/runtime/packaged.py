@@ -20,15 +20,17 @@ embedding / head, and that depth's cache). Packaging one:
   replaced Parameter is not (load again).
 
 A package is a directory holding ``manifest.json`` (what it was built for, the caller's layout, per step its file,
-checksum, inputs, constants and matches) and one ``.pt2`` per step, written atomically; :func:`read_manifest`,
-:func:`mismatch` and :func:`load_step` read it back, each with an error naming what is wrong.
+checksum, inputs (a dynamic dim as its [lowest, highest]), constants and matches) and one ``.pt2`` per step, written
+atomically; :func:`read_manifest` (which checks the type of every field loading reads), :func:`mismatch` and
+:func:`load_step` read it back, each with an error naming what is wrong.
 
 A drafter's package (:func:`save_rounds`, :func:`load_rounds`, behind ``Drafter.save_compiled`` /
 ``Drafter.load_compiled``) holds, per (batch bucket, rows, greedy/sampled) bucket, the window prologue (K > 1) and
 one depth step per depth geometry, which every depth of that geometry runs over its own parameters and cache. Saved
 with a ``rows`` range (the round cache's entries, ``runtime/round_cache.py``), each bucket's steps are exported with
 the window's rows dynamic in it, and the one package serves every window width in the range that the drafter's calls
-run as.
+run as. At load the layout is checked against the inputs each step was exported for: a step run at another width
+would draft wrong tokens without an error.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import reprlib
 import sys
 import time
 import warnings
@@ -47,12 +50,13 @@ import torch
 from torch import nn
 
 from .. import passes
+from ..arguments import ArgumentError
 from ..atomic_files import build_directory_atomically
 from ..model.cache import DepthCache
 from ..model.mtp import InklingMTP, MTPDepth
 
 MANIFEST = "manifest.json"
-FORMAT = "inkling_compiled.packaged/2"
+FORMAT = "inkling_compiled.packaged/3"  # 3: a dynamic dim of a step's inputs recorded as its [lowest, highest]
 # What every package is compiled with, on top of the caller's Inductor options: no constants in the package; every
 # parameter kept a constant (Inductor otherwise inlines small ones by value: the MLP's 1-element global_scale would be
 # frozen at the saving checkpoint's value); and a real compile (a cache hit skips our passes and records no matches).
@@ -61,8 +65,46 @@ AOTI_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tens
 # compared at load, in this order
 BUILT_FOR = ("config", "dtype", "quantization", "num_speculative_tokens", "device", "torch", "passes",
              "tensor_parallel")
+
+
+def _is_count(value, minimum: int = 1) -> bool:
+    return type(value) is int and value >= minimum  # a JSON int: not a bool, not a float
+
+
+def _is_list(value, check, *, empty: bool = False) -> bool:
+    return isinstance(value, list) and (empty or len(value) > 0) and all(map(check, value))
+
+
+def _is_bucket(value) -> bool:
+    return (isinstance(value, list) and len(value) == 3 and _is_count(value[0]) and _is_count(value[1])
+            and type(value[2]) is bool)
+
+
+def _is_rows(value) -> bool:
+    return value is None or (isinstance(value, list) and len(value) == 2 and all(map(_is_count, value))
+                             and value[0] <= value[1])
+
+
+def _is_file_name(value) -> bool:
+    return isinstance(value, str) and value not in ("", "..") and Path(value).name == value  # no path: one file here
+
+
+# What read_manifest checks of the fields that loading uses, as key -> (check, what the value must be); the other
+# built_for fields are only compared (a value of any type that differs is a mismatch).
+BUILT_FOR_FIELDS = {"num_speculative_tokens": (_is_count, "an int >= 1"),
+                    "config_fields": (lambda v: isinstance(v, dict), "an object")}
+STEP_FIELDS = {"file": (_is_file_name, "the name of a file in the package"),
+               "sha256": (lambda v: isinstance(v, str), "a string"),
+               "constants": (lambda v: isinstance(v, dict), "an object"),
+               "inputs": (lambda v: _is_list(v, lambda i: isinstance(i, dict) and isinstance(i.get("shape"), list),
+                                             empty=True), "a list of objects with a 'shape' list")}
 # what a drafter's package records of the drafter, to rebuild it at load
-LAYOUT_KEYS = ("max_batch_size", "max_length", "batch_buckets", "graph_rows", "buckets", "depth_steps")
+LAYOUT_FIELDS = {"max_batch_size": (_is_count, "an int >= 1"), "max_length": (_is_count, "an int >= 1"),
+                 "batch_buckets": (lambda v: _is_list(v, _is_count), "a non-empty list of ints >= 1"),
+                 "graph_rows": (lambda v: _is_list(v, _is_count, empty=True), "a list of ints >= 1"),
+                 "buckets": (lambda v: _is_list(v, _is_bucket), "a non-empty list of [batch, rows, sampled]"),
+                 "depth_steps": (lambda v: _is_list(v, lambda j: _is_count(j, 0)), "a non-empty list of ints >= 0"),
+                 "rows": (_is_rows, "null or [lowest, highest] ints >= 1")}
 
 
 class PackageError(ValueError):
@@ -130,8 +172,12 @@ class _Exported(nn.Module):
         return tuple(t for t in self.step(*inputs) if t is not None)
 
 
-def _describe(t: torch.Tensor) -> dict:
-    return {"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype)}
+def _describe(t: torch.Tensor, dynamic: Mapping[int, torch.export.Dim] | None = None) -> dict:
+    """``t``'s shape, stride and dtype; a dim of ``dynamic`` recorded as the [lowest, highest] size it was exported
+    for, so that the manifest says which sizes the step takes."""
+    dynamic = dynamic or {}
+    shape = [[dynamic[d].min, dynamic[d].max] if d in dynamic else size for d, size in enumerate(t.shape)]
+    return {"shape": shape, "stride": list(t.stride()), "dtype": str(t.dtype)}
 
 
 def _sha256(path: Path) -> str:
@@ -223,11 +269,15 @@ def save(directory, steps: Mapping[str, tuple[Callable, Sequence[torch.Tensor], 
          dynamic_shapes: Mapping[str, tuple] | None = None) -> Path:
     """Export and package each ``name -> (step, example inputs, state)`` into a new ``directory`` (atomically: it
     appears complete or not at all); ``layout`` is the caller's record of how to rebuild the states;
-    ``dynamic_shapes`` gives a step's inputs' dynamic dims (``torch.export``'s spec, one entry per input)."""
+    ``dynamic_shapes`` gives a step's inputs' dynamic dims (``torch.export``'s spec, one entry per input). Checked
+    before any compile: ArgumentError when a file is in the directory's way, PackageError when it exists."""
     directory = Path(directory)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise PackageError(f"{directory} already exists: packages are not overwritten; remove it or choose another "
                            "directory")
+    nearest = next(parent for parent in directory.parents if parent.exists())  # "/" at least
+    if not nearest.is_dir():
+        raise ArgumentError(f"directory {str(directory)!r} cannot be created: {str(nearest)!r} on its path is a file")
 
     def build(temporary: Path) -> None:
         records = {name: _package(step, inputs, state, temporary / f"{name}.pt2", inductor_options,
@@ -238,7 +288,10 @@ def save(directory, steps: Mapping[str, tuple[Callable, Sequence[torch.Tensor], 
                     "steps": records}
         (temporary / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
-    return build_directory_atomically(directory, build, complete=MANIFEST)
+    try:
+        return build_directory_atomically(directory, build, complete=MANIFEST)
+    except OSError as e:  # a read-only or full disk: named with the package, not the temporary directory beside it
+        raise PackageError(f"the package {directory} could not be written: {e}") from e
 
 
 def _package(step: Callable, inputs: Sequence[torch.Tensor], state: nn.Module, path: Path,
@@ -275,16 +328,30 @@ def _package(step: Callable, inputs: Sequence[torch.Tensor], state: nn.Module, p
     kept = set(_load(path, next(iter(tensors.values())).device).get_constant_fqns())
     if read - kept:  # never expected (AOTI_OPTIONS): the package would ignore these tensors of the model it serves
         raise PackageError(f"AOTInductor compiled {sorted(read - kept)} into the step by value")
-    return {"file": path.name, "sha256": _sha256(path), "inputs": [_describe(t) for t in inputs],
+    specs = dynamic_shapes or (None,) * len(inputs)
+    return {"file": path.name, "sha256": _sha256(path), "inputs": [_describe(t, d) for t, d in zip(inputs, specs)],
             "constants": {name: _describe(tensors[name]) for name in sorted(kept)},
             "matches": {k: after[k] - before.get(k, 0) for k in after}, "seconds": time.perf_counter() - start}
 
 
 # ------------------------------------------------------------------------------------------------ loading
 
-def read_manifest(directory, layout_keys: Sequence[str] = ()) -> dict:
-    """The package's manifest, checked for the structure :func:`load_step` relies on and for ``layout_keys`` in its
-    layout; PackageError naming the directory or file when it is missing, unreadable or not a package manifest."""
+def _field_problems(where: str, record: dict, fields: Mapping[str, tuple[Callable, str]]) -> list[str]:
+    """Each of ``fields`` that ``record`` lacks, or holds a value of the wrong type or shape in (named, abridged)."""
+    problems = []
+    for key, (check, what) in fields.items():
+        if key not in record:
+            problems.append(f"{where} lacks {key!r}")
+        elif not check(record[key]):
+            problems.append(f"{where}.{key} must be {what}, got {reprlib.repr(record[key])}")
+    return problems
+
+
+def read_manifest(directory, layout_fields: Mapping[str, tuple[Callable, str]] | None = None) -> dict:
+    """The package's manifest, checked once for every field loading reads (:data:`BUILT_FOR_FIELDS`,
+    :data:`STEP_FIELDS`, and ``layout_fields`` in its layout: :data:`LAYOUT_FIELDS` for a drafter's), so that a
+    damaged one is a PackageError naming the field and its value, not a TypeError deep in loading; PackageError
+    naming the directory or file when it is missing, unreadable or not a package manifest."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not directory.is_dir():
@@ -301,9 +368,11 @@ def read_manifest(directory, layout_keys: Sequence[str] = ()) -> dict:
     problems = [f"{key!r} must be an object" for key in ("built_for", "layout", "steps")
                 if not isinstance(manifest.get(key), dict)]
     if not problems:
-        problems = [f"steps[{name!r}] lacks {key!r}" for name, record in manifest["steps"].items()
-                    for key in ("file", "sha256", "constants") if not isinstance(record, dict) or key not in record]
-        problems += [f"layout lacks {key!r}" for key in layout_keys if key not in manifest["layout"]]
+        problems = _field_problems("built_for", manifest["built_for"], BUILT_FOR_FIELDS)
+        for name, record in manifest["steps"].items():
+            problems += (_field_problems(f"steps[{name!r}]", record, STEP_FIELDS) if isinstance(record, dict)
+                         else [f"steps[{name!r}] must be an object, got {reprlib.repr(record)}"])
+        problems += _field_problems("layout", manifest["layout"], layout_fields or {})
     if problems:
         raise PackageError(f"{path} is damaged: {'; '.join(problems)}")
     return manifest
@@ -429,19 +498,46 @@ def save_rounds(drafter, directory, buckets: Sequence, rows: tuple[int, int] | N
                 inductor_options=options, dynamic_shapes=dynamic)
 
 
+def _takes(size, width: int) -> bool:
+    """Whether an input dim the manifest records (its size, or a dynamic dim's [lowest, highest]) takes ``width``."""
+    if isinstance(size, list) and len(size) == 2 and all(map(_is_count, size)):
+        return size[0] <= width <= size[1]
+    return size == width
+
+
+def _check_exported(directory, manifest: dict, key: tuple[int, int, bool], served: list[int]) -> None:
+    """PackageError unless the manifest records every step of bucket ``key`` exported for its batch and every width
+    in ``served`` (their first three inputs: ids, positions, hidden): the layout says which widths a bucket serves,
+    and a step run at a width it was not exported for drafts wrong tokens, with no error."""
+    prefix, batch = _step_name(key, ""), key[0]
+    for name, record in manifest["steps"].items():
+        if not name.startswith(prefix):
+            continue
+        shapes = [given["shape"][:2] for given in record["inputs"][:3]]
+        if len(shapes) < 3 or not all(len(s) == 2 and s[0] == batch and all(_takes(s[1], w) for w in served)
+                                      for s in shapes):
+            raise PackageError(f"{directory} is damaged: its layout has step {name!r} run {batch} sequences of "
+                               f"{served} rows, but the manifest records it exported for [batch, rows] of {shapes}")
+
+
 def load_rounds(drafter, directory, manifest: dict) -> dict[tuple[int, int, bool], functools.partial]:
     """Bucket key -> the packaged round of that bucket, its steps bound to ``drafter``'s model and cache (the drafter
-    built from the manifest's layout, :func:`read_manifest` with :data:`LAYOUT_KEYS`); a package saved with a ``rows``
-    range gives each bucket's round under the key of every width of :func:`widths`."""
+    built from the manifest's layout, :func:`read_manifest` with :data:`LAYOUT_FIELDS`); a package saved with a
+    ``rows`` range gives each bucket's round under the key of every width of :func:`widths`. The layout is checked
+    against the model's depth geometries and the inputs each step was exported for."""
     layout = manifest["layout"]
+    if layout["depth_steps"] != geometry_depths(drafter):
+        raise PackageError(f"{directory} is damaged: layout.depth_steps {layout['depth_steps']} are not this "
+                           f"model's {geometry_depths(drafter)} (per depth, the first depth of its geometry)")
     window = _history_state(drafter) if drafter.history is not None else None
     rounds = {}
     for key in (tuple(key) for key in layout["buckets"]):
-        prologue = None if window is None else load_step(directory, manifest, _step_name(key, "window"), window)
-        depths = [load_step(directory, manifest, _step_name(key, f"depth{layout['depth_steps'][j]}"),
-                            _depth_state(drafter, j)) for j in range(drafter.num_speculative_tokens)]
         batch, width, sampled = key
-        served = [width] if layout.get("rows") is None else widths(drafter, layout["rows"])
+        served = [width] if layout["rows"] is None else widths(drafter, layout["rows"])
+        _check_exported(directory, manifest, key, served)
+        prologue = None if window is None else load_step(directory, manifest, _step_name(key, "window"), window)
+        depths = [load_step(directory, manifest, _step_name(key, f"depth{step}"), _depth_state(drafter, j))
+                  for j, step in enumerate(layout["depth_steps"])]
         round_ = functools.partial(drafter._round, prologue, depths)
         rounds.update({(batch, w, sampled): round_ for w in served})
     return rounds

@@ -85,7 +85,7 @@ def entry_name(drafter, key: tuple[int, bool]) -> str:
 def refusal(drafter, key: tuple[int, bool], directory: Path) -> str | None:
     """Why the entry in ``directory`` cannot serve ``key`` (batch bucket, sampled) of ``drafter`` (None: it can)."""
     try:
-        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
+        manifest = packaged.read_manifest(directory, layout_fields=packaged.LAYOUT_FIELDS)
     except packaged.PackageError as e:
         return str(e)
     here = packaged.built_for(drafter.model, drafter._inductor_options, drafter.num_speculative_tokens)
@@ -164,7 +164,7 @@ def _usable(drafter, key: tuple[int, bool], directory: Path) -> dict | None:
     if refusal(drafter, key, directory) is not None:
         return None
     try:
-        manifest = packaged.read_manifest(directory, layout_keys=packaged.LAYOUT_KEYS)
+        manifest = packaged.read_manifest(directory, layout_fields=packaged.LAYOUT_FIELDS)
         return packaged.load_rounds(drafter, directory, manifest)
     except packaged.PackageError:
         return None

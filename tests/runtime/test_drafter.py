@@ -235,6 +235,22 @@ def test_capture_static_step_and_save_refuse_a_model_converted_after_constructio
     assert not (tmp_path / "p").exists()
 
 
+def test_a_compiled_drafter_refuses_a_model_quantized_after_construction_and_an_eager_one_follows_it():
+    """The compiled drafter's options (and on CUDA its captured graphs) were made for the weights before quantize_,
+    which swaps the depth linears; the eager drafter runs the model's modules as they are at each call."""
+    ids, positions, hidden = stream(1, 2, dtype=torch.bfloat16)
+    compiled_model, eager_model = random_mtp(dtype=torch.bfloat16), random_mtp(dtype=torch.bfloat16)
+    compiled = Drafter(compiled_model, max_batch_size=1, max_length=16, num_speculative_tokens=1)
+    eager = Drafter(eager_model, max_batch_size=1, max_length=16, compile=False, num_speculative_tokens=1)
+    compiled_model.quantize_("int8")
+    eager_model.quantize_("int8")
+    with pytest.raises(ValueError, match="quantization is now int8 head=True, but this Drafter was built for it with "
+                                         "none: .* build a new Drafter after quantizing the model"):
+        compiled.draft(ids, positions, hidden)
+    fresh = Drafter(eager_model, max_batch_size=1, max_length=16, compile=False, num_speculative_tokens=1)
+    assert torch.equal(eager.draft(ids, positions, hidden).drafts, fresh.draft(ids, positions, hidden).drafts)
+
+
 def test_draft_inputs_that_require_grad_leave_no_history():
     """A hidden straight from a target forward run with grad enabled: the static buffers stay inference state."""
     model = random_mtp()

@@ -241,6 +241,84 @@ def test_a_damaged_manifest_is_a_clear_error(model, copied, edit, match):
         Drafter.load_compiled(edit_manifest(copied, edit), model)
 
 
+def every_step(**values):
+    return lambda manifest: [record.update(values) for record in manifest["steps"].values()]
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda m: m["layout"].update(buckets=5), "layout.buckets must be a non-empty list of [batch, rows, sampled], "
+                                              "got 5"),
+    (lambda m: m["layout"].update(buckets=[1]), "layout.buckets must be a non-empty list of [batch, rows, sampled], "
+                                                "got [1]"),
+    (lambda m: m["layout"].update(buckets=None), "layout.buckets must be a non-empty list of [batch, rows, sampled], "
+                                                 "got None"),
+    (lambda m: m["layout"].update(buckets=[[1]]), "layout.buckets must be a non-empty list of [batch, rows, "
+                                                  "sampled], got [[1]]"),
+    (lambda m: m["layout"].update(buckets="abc"), "layout.buckets must be a non-empty list of [batch, rows, "
+                                                  "sampled], got 'abc'"),
+    (lambda m: m["layout"].update(depth_steps=[]), "layout.depth_steps must be a non-empty list of ints >= 0, got []"),
+    (lambda m: m["layout"].update(depth_steps=0), "layout.depth_steps must be a non-empty list of ints >= 0, got 0"),
+    (lambda m: m["layout"].update(depth_steps=[1]), "layout.depth_steps [1] are not this model's [0]"),
+    (lambda m: m["layout"].update(rows="x"), "layout.rows must be null or [lowest, highest] ints >= 1, got 'x'"),
+    (lambda m: m["layout"].update(max_batch_size="2"), "layout.max_batch_size must be an int >= 1, got '2'"),
+    (lambda m: m["built_for"].update(num_speculative_tokens="1"),
+     "built_for.num_speculative_tokens must be an int >= 1, got '1'"),
+    (every_step(file=3), "steps['b2-r1-greedy-depth0'].file must be the name of a file in the package, got 3"),
+    (every_step(file="../b2-r1-greedy-depth0.pt2"), "steps['b2-r1-greedy-depth0'].file must be the name of a file "
+                                                    "in the package, got '../b2-r1-greedy-depth0.pt2'"),
+    (every_step(constants=[]), "steps['b2-r1-greedy-depth0'].constants must be an object, got []"),
+])
+def test_a_manifest_field_of_the_wrong_type_or_shape_is_a_package_error_naming_it_and_its_value(model, copied, edit,
+                                                                                                  named):
+    """Each was a TypeError, ValueError, IndexError or AttributeError inside loading (or an ArgumentError about an
+    argument the caller never gave)."""
+    with pytest.raises(PackageError, match=re.escape(named)):
+        Drafter.load_compiled(edit_manifest(copied, edit), model)
+
+
+def test_a_layout_serving_widths_its_steps_were_not_exported_for_is_refused(model, copied):
+    """The K = 1 package's steps take one width each (1 and 2 rows); a layout claiming a range made the width-1 step
+    run on 2- and 4-row windows and draft wrong tokens, with no error."""
+    directory = edit_manifest(copied, lambda m: m["layout"].update(rows=[1, 5]))
+    with pytest.raises(PackageError, match=re.escape("its layout has step 'b2-r1-greedy-depth0' run 2 sequences of "
+                                                     "[1, 2, 4] rows, but the manifest records it exported for "
+                                                     "[batch, rows] of [[2, 1], [2, 1], [2, 1]]")):
+        Drafter.load_compiled(directory, model)
+
+
+@torch.no_grad()
+def test_a_packaged_drafter_refuses_to_draft_once_the_model_is_quantized(tmp_path):
+    """quantize_ swaps the depth linears, and the packaged round kept reading the old ones: the old weights' drafts.
+    A bfloat16 package of one bucket (int8 runs on bfloat16 models only): one AOTInductor compile."""
+    model = tiny_mtp(dtype=torch.bfloat16)
+    saver = Drafter(model, 1, MAX_LENGTH, num_speculative_tokens=1, compile=False)
+    directory = saver.save_compiled(tmp_path / "bf16", batch_sizes=(1,), rows=(1,))
+    loaded = Drafter.load_compiled(directory, model, compile=False)
+    assert loaded.packaged_buckets == ((1, 1, False),)
+    model.quantize_("int8")
+    with pytest.raises(ValueError, match="quantization is now int8 head=True, but this Drafter was built for it with "
+                                         "none: .* build a new Drafter after quantizing the model"):
+        loaded.draft(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                     torch.zeros(1, 1, H, dtype=torch.bfloat16))
+
+
+def test_save_under_a_file_is_an_argument_error_and_a_failed_write_a_package_error(eager, tmp_path, monkeypatch):
+    """They were a FileExistsError naming the file in the way, and an OSError naming the temporary directory."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ArgumentError, match=re.escape(f"directory '{tmp_path / 'file' / 'x'}' cannot be created: "
+                                                      f"'{tmp_path / 'file'}' on its path is a file")):
+        eager[1].save_compiled(tmp_path / "file" / "x")
+
+    def fail(step, inputs, state, path, options, dynamic_shapes):
+        raise PermissionError(13, "Permission denied", str(path))  # what a read-only directory's write raises
+
+    monkeypatch.setattr(packaged, "_package", fail)
+    with pytest.raises(PackageError, match=re.escape(f"the package {tmp_path / 'new'} could not be written: "
+                                                     "[Errno 13] Permission denied")):
+        eager[1].save_compiled(tmp_path / "new")
+    assert [path.name for path in tmp_path.iterdir()] == ["file"]
+
+
 def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(eager, packages, tmp_path,
                                                                                monkeypatch):
     with pytest.raises(PackageError, match="already exists"):
