@@ -25,8 +25,9 @@ import torch
 import transformers
 
 from inkling_compiled import arguments
+from inkling_compiled.checkpoint.reader import checkpoint_directory
 from inkling_compiled.runtime import round_cache
-from inkling_compiled.testing.synthetic import PRESETS
+from inkling_compiled.testing.synthetic import PRESETS, preset_config
 
 from . import compile_time, e2e, multimodal, packaged, plots, probe_main, quant, report, startup, step, tp
 from .harness import ONE_TIME, OPT_IN, Context, Prebuild, Settings, error_text, plain, progress, write_json
@@ -97,6 +98,8 @@ def _items(value: str) -> tuple[str, ...]:
 
 def _names(known) -> Callable[[str], frozenset[str]]:
     def names(value: str) -> frozenset[str]:
+        if not _items(value):  # an empty --only ran every section
+            raise argparse.ArgumentTypeError(f"must name one or more of {', '.join(known)}, got {value!r}")
         unknown = sorted(set(_items(value)) - set(known))
         if unknown:
             raise argparse.ArgumentTypeError(f"unknown name(s) {unknown}; choose from {', '.join(known)}")
@@ -141,10 +144,11 @@ def _device(value: str) -> str:
     return "cpu" if kind == "cpu" else value
 
 
-def _directory(value: str) -> Path:
-    if not Path(value).is_dir():
-        raise argparse.ArgumentTypeError(f"{value!r} is not a directory")
-    return Path(value)
+def _checkpoint(value: str) -> Path:
+    try:
+        return checkpoint_directory("checkpoint", value)
+    except arguments.ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_ints(value: str) -> tuple[int, ...]:
@@ -157,17 +161,26 @@ def _positive_ints(value: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(numbers))  # each once, in the order given (a repeat measured it twice)
 
 
+def _world_sizes(value: str) -> tuple[int, ...]:
+    sizes, runnable = _positive_ints(value), tp.world_sizes()
+    if not set(sizes) <= set(runnable):
+        raise argparse.ArgumentTypeError(f"the tp section's {tp.PRESET} preset splits over "
+                                         f"{', '.join(map(str, runnable))} ranks (one process each), got {value!r}")
+    return sizes
+
+
 def add_run_options(p: argparse.ArgumentParser) -> None:
     names, ints = [s.name for s in SECTIONS], _positive_ints
     count, seconds = arguments.positive_int_option, _seconds(positive=True)
     p.add_argument("--full", action="store_true", help="every section and part, with longer timings (tens of "
                    "minutes on 2 cores; default: the headline figures in under 2 once a first run built its rounds)")
     p.add_argument("--quick", action="store_true", help="few iterations everywhere (a smoke test; rough numbers)")
-    p.add_argument("--only", type=_names(names), default="", metavar="SECTIONS", help="run only these sections (each "
-                   "even where it is off by default): " + "; ".join(f"{s.name} ({s.help})" for s in SECTIONS))
-    p.add_argument("--skip", type=_names([*names, *PARTS]), default="", help="sections or parts to leave out: the "
-                   "sections above; " + "; ".join(f"{k} ({v})" for k, v in PARTS.items()))
-    p.add_argument("--with", dest="with_", type=_names(list(OPT_IN)), default="", metavar="SECTIONS",
+    p.add_argument("--only", type=_names(names), default=frozenset(), metavar="SECTIONS",
+                   help="run only these sections (each even where it is off by default): "
+                        + "; ".join(f"{s.name} ({s.help})" for s in SECTIONS))
+    p.add_argument("--skip", type=_names([*names, *PARTS]), default=frozenset(), help="sections or parts to leave "
+                   "out: the sections above; " + "; ".join(f"{k} ({v})" for k, v in PARTS.items()))
+    p.add_argument("--with", dest="with_", type=_names(list(OPT_IN)), default=frozenset(), metavar="SECTIONS",
                    help="opt-in sections to run: " + "; ".join(f"{n} (off for {', '.join(sorted(v))})"
                                                              for n, v in OPT_IN.items()))
     p.add_argument("--config", dest="configs", type=_presets, default="tiny",
@@ -189,23 +202,30 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-target", choices=("text", "synthetic"), default="text",
                    help="text: the text target, held-out prompts; synthetic: the self-distilled tiny8, random prompts")
     p.add_argument("--e2e-ks", type=ints, default="1,8", help="K values of the e2e section's compiled drafters")
-    p.add_argument("--e2e-checkpoint", type=_directory, metavar="DIR", help="a distilled raw-layout checkpoint for the "
-                   "end-to-end sections instead of building one here")
+    p.add_argument("--e2e-checkpoint", type=_checkpoint, metavar="DIR", help="a distilled raw-layout checkpoint for "
+                   "the end-to-end sections instead of building one here")
     p.add_argument("--distill-steps", type=count, help="self-distillation steps of the synthetic target")
     p.add_argument("--ks", type=ints, default="1,2,4,8", help="K values of the K sweep (beyond the target's depths: "
                    "left out)")
     p.add_argument("--k-seconds", type=_seconds(positive=False), help="seconds of draft-round timing per K and window "
                    "(0: none)")
-    p.add_argument("--tp-world-sizes", type=ints, default="1,2", help="gloo ranks of the tp section")
+    p.add_argument("--tp-world-sizes", type=_world_sizes, default="1,2", help="gloo ranks of the tp section")
     p.add_argument("--json", dest="json_path", type=Path, help="where the JSON goes (default: bench/out/)")
     p.add_argument("--record", nargs="?", const=RESULTS_MD, type=Path, metavar="FILE",
                    help="append an entry to bench/RESULTS.md (or FILE)")
 
 
 def parse_args(argv=None) -> Settings:
-    p = argparse.ArgumentParser(prog="python -m bench run")
+    p = arguments.OneLineParser(prog="python -m bench run")
     add_run_options(p)
     s = p.parse_args(argv, namespace=Settings())
+    # the draft cache holds --context + 64 rows: within the positions each preset is made for (model_max_length),
+    # beyond which a run only fails allocating, section after section
+    for preset in s.configs:
+        longest = preset_config(preset)["text_config"]["model_max_length"]
+        if s.context + 64 > longest:
+            p.error(f"argument --context: the draft cache holds --context + 64 rows and {preset} has model_max_length "
+                    f"{longest}: at most {longest - 64}, got {s.context}")
     if (s.with_ | s.only) & s.skip:
         p.error(f"section(s) both skipped and asked for with --with / --only: {sorted((s.with_ | s.only) & s.skip)}")
     if s.record is not None and (s.record.is_dir() or not s.record.parent.is_dir()):
@@ -376,7 +396,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv.insert(0, "run")  # `python -m bench --quick` is `python -m bench run --quick`
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p = arguments.OneLineParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     add_run_options(sub.add_parser("run", help="measure (the default sub-command; `make bench`)"))
     shown = sub.add_parser("report", help="the table and the report image of a saved result")

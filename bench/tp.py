@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from inkling_compiled import InklingMTP, MTPConfig
-from inkling_compiled.config import parse_config_dict
+from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.model.tensor_parallel import TensorParallel
 from inkling_compiled.runtime import Drafter
 from inkling_compiled.testing.distributed import run_ranks
@@ -121,10 +121,28 @@ def measure_runs(path, world_sizes, batch: int, rounds: int) -> list[RankRun]:
     return runs
 
 
+def _config(preset: str) -> MTPConfig:
+    return MTPConfig.from_config_dict(preset_config(preset), f"the {preset} preset")
+
+
+def world_sizes() -> tuple[int, ...]:
+    """The rank counts the section runs: those the small preset splits over (whole heads, MLP channels and vocab
+    rows on every rank), up to the full-size comparison's T (each rank is a process holding the model)."""
+    config = _config(PRESET)
+
+    def splits(t: int) -> bool:
+        try:
+            TensorParallel("", t - 1, t).check(config)  # the last rank: the one a padded vocabulary leaves empty
+        except ArgumentError:
+            return False
+        return True
+
+    return tuple(t for t in range(1, FULL_WORLD + 1) if splits(t))
+
+
 def full_size(world: int = FULL_WORLD, batch: int = 1) -> FullSize:
     """The communication and per-rank bytes of the full config, from the shapes (meta tensors, bf16)."""
-    raw = preset_config("full")
-    config = MTPConfig.from_hf(parse_config_dict(raw, "the full preset"), raw=raw)
+    config = _config("full")
     h, v, k = config.hidden_size, config.vocab_size, config.num_depths  # a round's window: K rows
     head, gather = world * batch * 2 * 4, batch * v * BF16  # our [T, B, 2] fp32 pairs; a [B, V] bf16 row
     with torch.device("meta"):

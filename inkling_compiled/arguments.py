@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -67,6 +68,13 @@ def positive_int(name: str, value) -> int:
     return integer(name, value, minimum=1)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments are one line naming the problem (exit status 2), without the usage text."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def positive_int_option(value: str) -> int:
     """An argparse type: an int >= 1 (argparse prints "argument --NAME: " before the message)."""
     try:
@@ -76,6 +84,24 @@ def positive_int_option(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value!r}")
     return number
+
+
+def writable_directory_option(value: str) -> Path:
+    """An argparse type: a directory that exists or can be created, and can be written in. Probed by making (and
+    removing) a temporary directory in it or its nearest existing parent: the one test that /proc, a read-only mount
+    or a missing permission answers truthfully (``os.access`` says yes to root)."""
+    if not value:
+        raise argparse.ArgumentTypeError("must name a directory, got ''")  # Path('') is the current directory
+    directory = Path(value)
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a directory" if existing == directory else
+                                         f"{value!r} cannot be a directory: {str(existing)!r} is not one")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{value!r}: cannot write in {str(existing)!r} ({e.strerror or e})") from None
+    return directory
 
 
 def _bounds(minimum: int | None, maximum: int | None) -> str:
@@ -178,8 +204,10 @@ def path(name: str, value) -> Path:
 
 
 def existing_directory(name: str, value) -> Path:
-    """``value`` as the Path of an existing directory."""
+    """``value`` as the Path of an existing directory ('' is refused, not taken for the current one)."""
     directory = path(name, value)
+    if value == "":
+        raise ArgumentError(f"{name} must name a directory, got ''")
     if not directory.exists():
         raise ArgumentError(f"{name} {str(directory)!r}: no such directory")
     if not directory.is_dir():

@@ -23,9 +23,11 @@ import sys
 import time
 
 import torch
+from safetensors import SafetensorError
 
 from . import arguments
-from .config import CONFIG_FILE
+from .checkpoint.reader import checkpoint_directory, open_checkpoint
+from .testing.synthetic import PRESETS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROG = "python -m inkling_compiled.generate"
@@ -33,18 +35,11 @@ PROG = "python -m inkling_compiled.generate"
 TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments are one line naming the problem (exit status 2), without the usage text."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """The parsed arguments, every one checked (paths and device included) before anything is loaded."""
-    parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    parser = arguments.OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", help="raw Inkling checkpoint directory (default: tiny synthetic checkpoint)")
-    parser.add_argument("--preset", default=None,
+    parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="synthetic preset used when no --checkpoint is given (default tiny; tiny8 has 8 depths)")
     parser.add_argument("--distilled", action="store_true",
                         help="with the default checkpoint: self-distil its MTP first (cached; ~1 min the first time)")
@@ -90,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, check in (("--temperature", lambda: arguments.temperature(args.temperature)),
                         ("--top-p", lambda: arguments.top_p(args.top_p)),
                         ("--device", lambda: arguments.device(args.device, "--device", runs=True)),
-                        ("--checkpoint", lambda: args.checkpoint is None or _check_checkpoint(args.checkpoint))):
+                        ("--checkpoint", lambda: args.checkpoint is None
+                         or checkpoint_directory("--checkpoint", args.checkpoint))):
         try:
             check()
         except arguments.ArgumentError as e:
@@ -127,16 +123,8 @@ def device_mesh(args):
     return init_device_mesh(kind, (args.tp,))
 
 
-def _check_checkpoint(value) -> None:
-    directory = arguments.existing_directory("--checkpoint", value)
-    if not (directory / CONFIG_FILE).is_file():
-        raise arguments.ArgumentError(f"--checkpoint {value!r} holds no {CONFIG_FILE}: not a raw Inkling checkpoint "
-                                      "directory")
-
-
 def build(args, mesh=None):
     """(path, target, drafter) for the parsed arguments (the draft head sharded over ``mesh`` when given)."""
-    from .checkpoint.reader import open_checkpoint
     from .model import InklingMTP
     from .runtime.drafter import Drafter
     from .testing.synthetic import cached_checkpoint, load_hf_target
@@ -247,8 +235,8 @@ def generate(args, mesh) -> int:
     say = print if mesh is None or mesh.get_rank() == 0 else (lambda *_: None)  # rank 0 speaks for all
     try:
         path, target, drafter = build(args, mesh)
-    except (ValueError, TypeError, OSError, MemoryError) as e:  # the library's refusals (a cache too large for
-        # --batch / --prompt-len / --max-new-tokens included) and unreadable files: one line
+    except (ValueError, TypeError, OSError, MemoryError, SafetensorError) as e:  # the library's refusals (a cache
+        # too large for --batch / --prompt-len / --max-new-tokens included), unreadable or damaged files: one line
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"{PROG}: error: {first_line}", file=sys.stderr)
         return 2

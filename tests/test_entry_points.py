@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import re
+import shutil
 import subprocess
 import sys
 import weakref
@@ -264,6 +265,22 @@ def test_cli_checks_the_checkpoint_itself_before_transformers_reads_it(tmp_path,
     (tmp_path / "config.json").write_text("{}")
     line = _cli_error(["--checkpoint", str(tmp_path)], capsys)
     assert "config.json" in line and "is not an Inkling config" in line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", ""], "argument --preset: invalid choice: ''"),  # was the tiny preset
+    (["--preset", "bogus"], "argument --preset: invalid choice: 'bogus'"),  # was refused without naming --preset
+    (["--checkpoint", ""], "--checkpoint must name a directory, got ''")])  # was the current directory
+def test_cli_refuses_an_empty_or_unknown_choice_of_checkpoint(argv, message, capsys, no_loading):
+    assert message in _cli_error(argv, capsys)
+
+
+def test_cli_a_damaged_shard_is_one_line(tiny_checkpoint, tmp_path, capsys):
+    """A truncated target shard passes the library's checks (config, index, MTP headers): safetensors' error,
+    raised as transformers loads the target, was a traceback."""
+    damaged = shutil.copytree(tiny_checkpoint, tmp_path / "damaged")
+    sorted(damaged.glob("model-*.safetensors"))[0].write_bytes(b"\x08")
+    assert "deserializing header" in _cli_error(["--checkpoint", str(damaged), "--no-compile"], capsys)
 
 
 @pytest.mark.parametrize("device", ["banana", "cuda:0" if not torch.cuda.is_available() else "cuda:99", "meta"])

@@ -218,6 +218,15 @@ def _read_part(f, key: str, shard: Shard) -> torch.Tensor:
     return spans[0] if len(spans) == 1 else torch.cat(spans, dim=shard.dim)
 
 
+def checkpoint_directory(name: str, value) -> Path:
+    """``value`` (the argument ``name``) as the Path of an existing directory holding a config.json: a command-line
+    option's check before anything is read (:func:`open_checkpoint` then checks what the files hold)."""
+    directory = arguments.existing_directory(name, value)
+    if not (directory / CONFIG_FILE).is_file():
+        raise ArgumentError(f"{name} {str(directory)!r} holds no {CONFIG_FILE}: not a raw Inkling checkpoint directory")
+    return directory
+
+
 def open_checkpoint(path, *, num_depths: int | None = None, mtp_log_scaling: bool = False) -> RawCheckpoint:
     """Open the checkpoint directory ``path``: its config.json read and checked (cut to the first ``num_depths``
     depths) and every tensor of the draft head located."""

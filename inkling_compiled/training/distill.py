@@ -22,11 +22,11 @@ by (source checkpoint, hyper-parameters, format) and reused, like ``testing.synt
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -35,15 +35,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 
 from .. import arguments
 from ..arguments import ArgumentError
 from ..atomic_files import build_directory_atomically
 from ..checkpoint.layout import INDEX_FILE, MTP_FILE
-from ..checkpoint.reader import read_header, stored_dtype
+from ..checkpoint.reader import checkpoint_directory, open_checkpoint, read_header, stored_dtype
 from ..config import CONFIG_FILE, logits_vocab_size
-from ..testing.synthetic import cached_checkpoint, default_cache_root, greedy_generation_config, load_hf_target
+from ..testing.synthetic import PRESETS, cached_checkpoint, default_cache_root, greedy_generation_config, load_hf_target
 
+PROG = "python -m inkling_compiled.training.distill"
 FORMAT_VERSION = 1  # bump when the training recipe changes the written weights for the same arguments
 METRICS_FILE = "distill.json"
 DEFAULTS = dict(steps=400, seq_len=64, batch=32, seed=0, lr=1e-2, prompt_len=8, num_sequences=1024,
@@ -193,7 +195,7 @@ def train(mtp, data: GreedyData, *, steps: int, batch: int, lr: float, seed: int
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1))))
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = torch.Generator().manual_seed((seed + 1) % 2**64)  # modulo 2**64 as torch takes seeds: 2**64 - 1 overflowed
     history = []
     mtp.train()
     start = time.perf_counter()
@@ -365,24 +367,30 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
 
 
 def _check_arguments(params: dict, **flags) -> None:
-    """Every count >= 1, a finite lr > 0, an int seed, bools: before the target's continuations are generated (the
-    costly part), where a bad one failed deep inside, or, for steps <= 0, silently wrote an undistilled copy."""
+    """Every count >= 1, prompt_len < seq_len, a finite lr > 0, a seed torch takes, bools: before the target's
+    continuations are generated (the costly part), where a bad one failed deep inside, or, for steps <= 0, silently
+    wrote an undistilled copy."""
     for name in ("steps", "seq_len", "batch", "prompt_len", "num_sequences", "eval_sequences"):
         arguments.positive_int(name, params[name])
+    if params["prompt_len"] >= params["seq_len"]:
+        raise ArgumentError(f"prompt_len must be < seq_len ({params['seq_len']}), the length each prompt is continued "
+                            f"to, got {params['prompt_len']}")
     if not arguments.is_number(params["lr"]) or not 0 < params["lr"] < math.inf:
         raise ArgumentError(f"lr must be a finite number > 0, got {params['lr']!r}")
-    arguments.integer("seed", params["seed"])
+    if not -(2**63) <= arguments.integer("seed", params["seed"]) < 2**64:  # what torch.manual_seed takes
+        raise ArgumentError(f"seed must be in [-2**63, 2**64), got {params['seed']}")
     for name, value in {"soft": params["soft"], **flags}.items():
         arguments.check_bool(name, value)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.training.distill",
-                                     description=__doc__.split("\n\n")[0])
+    parser = arguments.OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="raw-layout checkpoint directory to distil (default: the --config preset)")
-    src.add_argument("--config", default="tiny", help="synthetic preset to generate and distil (default tiny)")
-    parser.add_argument("--out", help="output directory (default: a cache directory keyed by the arguments)")
+    src.add_argument("--config", choices=sorted(PRESETS), default="tiny",
+                     help="synthetic preset to generate and distil (default tiny)")
+    parser.add_argument("--out", type=arguments.writable_directory_option,
+                        help="output directory (default: a cache directory keyed by the arguments)")
     for name, value in DEFAULTS.items():
         if not isinstance(value, bool):
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
@@ -394,13 +402,26 @@ def main(argv=None) -> int:
     params = {name: getattr(args, name) for name in DEFAULTS}
     try:
         _check_arguments(params)
-    except arguments.ArgumentError as e:
-        name, _, rest = str(e).partition(" ")
-        parser.error(f"--{name.replace('_', '-')} {rest}")  # "--num-sequences must be an int >= 1, got 0"
+    except ArgumentError as e:  # "--num-sequences must be an int >= 1, got 0": the options' names, not the API's
+        parser.error(re.sub(rf"\b({'|'.join(DEFAULTS)})\b", lambda m: f"--{m[1].replace('_', '-')}", str(e)))
+    if args.checkpoint is not None:
+        try:
+            checkpoint_directory("--checkpoint", args.checkpoint)
+        except ArgumentError as e:
+            parser.error(str(e))
+    out = args.out
+    if out is not None and out.is_dir() and any(out.iterdir()) and not (out / METRICS_FILE).is_file():
+        parser.error(f"--out {str(out)!r} holds files but no {METRICS_FILE}, so is no distilled checkpoint (--force "
+                     "would delete it): name a new or empty directory")
     if args.threads:
         torch.set_num_threads(args.threads)
-    checkpoint = Path(args.checkpoint) if args.checkpoint else cached_checkpoint(args.config)
-    out = distill(checkpoint, args.out, force=args.force, **params)
+    try:  # the library's refusals and unreadable or damaged files: one line, as in generate.py
+        checkpoint = Path(args.checkpoint) if args.checkpoint else cached_checkpoint(args.config)
+        open_checkpoint(checkpoint)  # the library's own checks of config and files, before transformers reads them
+        out = distill(checkpoint, out, force=args.force, **params)
+    except (ValueError, TypeError, OSError, MemoryError, SafetensorError) as e:
+        print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
     metrics = load_metrics(out)
     print(json.dumps({"out_dir": str(out), "agreement_before": metrics["agreement_before"],
                       "agreement_after": metrics["agreement_after"], "loss_first": metrics["loss_first"],

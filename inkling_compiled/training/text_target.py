@@ -21,7 +21,6 @@ stdlib is a different corpus) and the recipe, and built on first use with progre
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -489,12 +488,13 @@ def bench_inputs(count: int = 4, length: int = 32, *, seed: int = 0, recipe: Rec
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inkling_compiled.training.text_target",
+    parser = arguments.OneLineParser(prog="python -m inkling_compiled.training.text_target",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--reduced", action="store_true", help="the seconds-long recipe the tests use")
     parser.add_argument("--force", action="store_true", help="rebuild even if a cached result exists")
     parser.add_argument("--threads", type=arguments.positive_int_option, default=None, help="torch intra-op threads")
-    parser.add_argument("--root", default=None, help="cache root (default: the checkpoint cache)")
+    parser.add_argument("--root", type=arguments.writable_directory_option,
+                        help="cache root (default: the checkpoint cache)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

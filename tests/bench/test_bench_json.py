@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from bench import e2e, harness, report, run, step
+from bench import e2e, harness, report, run, step, tp
 from bench.probes import split_compile_times
 from inkling_compiled.runtime import round_cache
 
@@ -141,14 +141,42 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     (["--config", ","], "argument --config: must name one or more presets"),
     (["--device", "tpu"], "argument --device: must be cpu or cuda (cuda:N), got 'tpu'"),
     (["--device", "cuda:99"], "argument --device: device='cuda:99' is not usable"),  # no machine has 100 GPUs
-    (["--e2e-checkpoint", "/no/such/dir"], "argument --e2e-checkpoint: '/no/such/dir' is not a directory"),
+    (["--e2e-checkpoint", "/no/such/dir"], "argument --e2e-checkpoint: checkpoint '/no/such/dir': no such directory"),
+    (["--only", ""], "argument --only: must name one or more of compile, latency,"),  # an empty --only ran everything
+    (["--only", ","], "argument --only: must name one or more of compile, latency,"),
+    (["--skip", ""], "argument --skip: must name one or more of compile, latency,"),
+    (["--with", ""], "argument --with: must name one or more of quant, got ''"),
+    (["--context", str(10**12)], "argument --context: the draft cache holds --context + 64 rows and tiny has "
+                                 "model_max_length 4096: at most 4032, got 1000000000000"),
+    (["--config", "small,tiny", "--context", "4033"], "tiny has model_max_length 4096: at most 4032, got 4033"),
+    (["--tp-world-sizes", "100000"], "argument --tp-world-sizes: the tp section's small preset splits over 1, 2, 4, 8 "
+                                     "ranks (one process each), got '100000'"),  # as many gloo processes
+    (["--tp-world-sizes", "1,3"], "splits over 1, 2, 4, 8 ranks (one process each), got '1,3'"),  # 8 kv heads
     (["--record", "/no/such/dir/RESULTS.md"], "argument --record: '/no/such/dir/RESULTS.md' must be a file in an "
                                               "existing directory"),
     (["--json", "."], "argument --json: '.' is a directory; name the file")])
 def test_bad_arguments_name_the_problem(argv, message, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         run.parse_args(argv)
-    assert message in capsys.readouterr().err
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("python -m bench run: error: ")
+    assert message in lines[0]
+
+
+@pytest.mark.parametrize("name, message", [("a-file", "is not a directory"),
+                                           ("empty", "holds no config.json: not a raw Inkling checkpoint directory")])
+def test_the_e2e_checkpoint_must_be_a_checkpoint_directory(tmp_path, tiny_checkpoint, capsys, name, message):
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        run.parse_args(["--e2e-checkpoint", str(tmp_path / name)])
+    assert f"argument --e2e-checkpoint: checkpoint '{tmp_path / name}' {message}" in capsys.readouterr().err
+    assert run.parse_args(["--e2e-checkpoint", str(tiny_checkpoint)]).e2e_checkpoint == tiny_checkpoint
+
+
+def test_the_tp_section_runs_on_the_ranks_its_preset_splits_over():
+    assert tp.world_sizes() == (1, 2, 4, 8)  # the small preset's 8 kv heads; at most the full-size comparison's T
+    assert run.parse_args(["--tp-world-sizes", "8,1,4"]).tp_world_sizes == (8, 1, 4)
 
 
 def test_an_unwritable_json_path_is_refused_before_anything_is_measured(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 that rises, a result directory both libraries load."""
 
 import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -114,6 +115,10 @@ def test_default_out_dir_is_keyed_by_the_arguments(tiny_checkpoint):
     (dict(eval_sequences=0), "eval_sequences must be an int >= 1, got 0"),
     (dict(lr=float("nan")), "lr must be a finite number > 0, got nan"),
     (dict(seed=1.5), "seed must be an int, got 1.5"),
+    (dict(seed=2**64), r"seed must be in \[-2\*\*63, 2\*\*64\), got 18446744073709551616"),  # torch's overflow
+    (dict(seed=-(2**63) - 1), r"seed must be in \[-2\*\*63, 2\*\*64\)"),
+    (dict(prompt_len=32), r"prompt_len must be < seq_len \(32\).*got 32"),  # was refused after the target loaded
+    (dict(prompt_len=40), r"prompt_len must be < seq_len \(32\).*got 40"),
     (dict(soft=1), "soft must be a bool, got 1"),
 ])
 def test_distill_arguments_are_checked_before_anything_runs(tiny_checkpoint, tmp_path, monkeypatch, overrides,
@@ -124,9 +129,79 @@ def test_distill_arguments_are_checked_before_anything_runs(tiny_checkpoint, tmp
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("argv, message", [(["--eval-sequences", "0"], "--eval-sequences must be an int >= 1, got 0"),
-                                           (["--threads", "-1"], "argument --threads: must be an int >= 1, got '-1'")])
-def test_distill_command_line_names_a_bad_option(capsys, argv, message):
-    with pytest.raises(SystemExit):
-        D.main(argv)
-    assert message in capsys.readouterr().err
+def test_the_top_seed_trains_as_torch_wraps_it(tiny_checkpoint):
+    """The batch sampler's seed is seed + 1: at 2**64 - 1, a seed torch takes, that overflowed; wrapped modulo 2**64
+    as torch wraps seeds, 2**64 - 1 and -1 sample the same batches."""
+    tokens = torch.randint(3, 100, (4, 10), generator=torch.Generator().manual_seed(0))
+
+    def losses(seed: int) -> list[float]:
+        mtp = InklingMTP.from_pretrained(tiny_checkpoint)
+        data = D.GreedyData(tokens, torch.randn(4, 10, mtp.config.hidden_size, generator=torch.Generator()
+                                                .manual_seed(1)), prompt_len=2)
+        return D.train(mtp, data, steps=2, batch=2, lr=1e-3, seed=seed)
+
+    assert losses(2**64 - 1) == losses(-1)
+
+
+@pytest.fixture
+def cli_paths(tmp_path):
+    """The paths the command-line cases name: a file, an empty directory, a directory of other files, a directory
+    whose config.json is no Inkling config."""
+    (tmp_path / "a-file").write_text("")
+    for name in ("empty", "other", "bad-config"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("")
+    (tmp_path / "bad-config" / "config.json").write_text('{"model_type": 3}')
+    return tmp_path
+
+
+QUICK_ARGV = ["--steps", "2", "--num-sequences", "4", "--eval-sequences", "2", "--batch", "2", "--seq-len", "12"]
+
+
+def _cli_error(argv, capsys) -> str:
+    """The one stderr line of a distill command line that exits with status 2 (its progress lines aside)."""
+    try:
+        code = D.main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[distill] ")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{D.PROG}: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval-sequences", "0"], "--eval-sequences must be an int >= 1, got 0"),
+    (["--threads", "-1"], "argument --threads: must be an int >= 1, got '-1'"),
+    (["--config", "bogus"], "argument --config: invalid choice: 'bogus'"),  # was a ValueError traceback
+    (["--config", ""], "argument --config: invalid choice: ''"),
+    (["--checkpoint", "{tmp}/nowhere"], "--checkpoint '{tmp}/nowhere': no such directory"),  # transformers' OSErrors
+    (["--checkpoint", "{tmp}/a-file"], "--checkpoint '{tmp}/a-file' is not a directory"),
+    (["--checkpoint", "{tmp}/empty"], "--checkpoint '{tmp}/empty' holds no config.json"),
+    (["--checkpoint", ""], "--checkpoint must name a directory, got ''"),
+    (["--checkpoint", "{tmp}/bad-config"], "{tmp}/bad-config/config.json: model_type 3 is not an Inkling config"),
+    (["--out", "{tmp}/a-file"], "argument --out: '{tmp}/a-file' is not a directory"),  # was NotADirectoryError
+    (["--out", "{tmp}/a-file/sub"], "argument --out: '{tmp}/a-file/sub' cannot be a directory: '{tmp}/a-file' is "
+                                    "not one"),
+    pytest.param(["--out", "/proc/nope"], "argument --out: '/proc/nope': cannot write in '/proc'",  # FileNotFoundError
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")),
+    (["--out", ""], "argument --out: must name a directory, got ''"),
+    (["--out", "{tmp}/other"], "--out '{tmp}/other' holds files but no distill.json"),  # --force deleted it
+    (["--prompt-len", "12"], "--prompt-len must be < --seq-len (12), the length each prompt is continued to, got 12"),
+    (["--prompt-len", "20"], "--prompt-len must be < --seq-len (12), the length each prompt is continued to, got 20"),
+    (["--seed", "99999999999999999999999"], "--seed must be in [-2**63, 2**64), got 99999999999999999999999"),
+    (["--seed", "-9223372036854775809"], "--seed must be in [-2**63, 2**64), got -9223372036854775809")])
+def test_distill_command_line_names_a_bad_option(cli_paths, capsys, monkeypatch, argv, message):
+    """One line, exit status 2, naming the option and the value, before the target is loaded."""
+    monkeypatch.setattr(D, "load_hf_target", lambda *args, **kwargs: pytest.fail("the target was loaded"))
+    argv = [*QUICK_ARGV, *(arg.format(tmp=cli_paths) for arg in argv)]
+    assert message.format(tmp=cli_paths) in _cli_error(argv, capsys)
+
+
+def test_distill_command_line_reports_a_damaged_shard_in_one_line(tiny_checkpoint, tmp_path, capsys):
+    """A truncated target shard passes the library's checks (config, index, MTP headers): safetensors' error as
+    transformers loads the target was a traceback."""
+    damaged = shutil.copytree(tiny_checkpoint, tmp_path / "damaged")
+    sorted(damaged.glob("model-*.safetensors"))[0].write_bytes(b"\x08")
+    line = _cli_error([*QUICK_ARGV, "--checkpoint", str(damaged), "--out", str(tmp_path / "out")], capsys)
+    assert "deserializing header" in line and not (tmp_path / "out").exists()

@@ -4,6 +4,7 @@ speculative decoding on held-out prompts, and the generate CLI printing text."""
 
 import hashlib
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -283,3 +284,31 @@ def test_build_command_line_refuses_a_thread_count_below_one(capsys):
     with pytest.raises(SystemExit):
         T.main(["--threads", "0"])
     assert "argument --threads: must be an int >= 1, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("root, message", [
+    ("{tmp}/a-file", "argument --root: '{tmp}/a-file' is not a directory"),  # was NotADirectoryError
+    ("{tmp}/a-file/sub", "argument --root: '{tmp}/a-file/sub' cannot be a directory: '{tmp}/a-file' is not one"),
+    pytest.param("/proc/nope", "argument --root: '/proc/nope': cannot write in '/proc'",  # was FileNotFoundError
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")),
+    ("", "argument --root: must name a directory, got ''")])  # was the current directory
+def test_build_command_line_refuses_a_root_it_cannot_build_in(tmp_path, capsys, monkeypatch, root, message):
+    monkeypatch.setattr(T, "build", lambda *args, **kwargs: pytest.fail("built"))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        T.main(["--reduced", "--root", root.format(tmp=tmp_path)])
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1
+    prog = "python -m inkling_compiled.training.text_target"
+    assert lines[0].startswith(f"{prog}: error: {message.format(tmp=tmp_path)}")
+
+
+def test_build_command_line_takes_a_root_still_to_be_made(tmp_path, monkeypatch):
+    """--root may name a directory that build makes; the check that it can leaves nothing behind."""
+    def build(recipe, *, root, force):
+        raise LookupError(root)  # what build was given, before anything is built
+
+    monkeypatch.setattr(T, "build", build)
+    with pytest.raises(LookupError) as given:
+        T.main(["--reduced", "--root", str(tmp_path / "new" / "sub")])
+    assert given.value.args == (tmp_path / "new" / "sub",) and list(tmp_path.iterdir()) == []
