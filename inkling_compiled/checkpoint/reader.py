@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .. import arguments
+from ..arguments import ArgumentError
 from ..config import CONFIG_FILE, MTPConfig, read_config_file, read_json_object
 from .layout import (
     INDEX_FILE,
