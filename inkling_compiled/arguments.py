@@ -204,10 +204,8 @@ def path(name: str, value) -> Path:
 
 
 def existing_directory(name: str, value) -> Path:
-    """``value`` as the Path of an existing directory ('' is refused, not taken for the current one)."""
+    """``value`` as the Path of an existing directory ('' is refused by :func:`path`, not taken for the current one)."""
     directory = path(name, value)
-    if value == "":
-        raise ArgumentError(f"{name} must name a directory, got ''")
     if not directory.exists():
         raise ArgumentError(f"{name} {str(directory)!r}: no such directory")
     if not directory.is_dir():

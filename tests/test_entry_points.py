@@ -270,7 +270,7 @@ def test_cli_checks_the_checkpoint_itself_before_transformers_reads_it(tmp_path,
 @pytest.mark.parametrize("argv, message", [
     (["--preset", ""], "argument --preset: invalid choice: ''"),  # was the tiny preset
     (["--preset", "bogus"], "argument --preset: invalid choice: 'bogus'"),  # was refused without naming --preset
-    (["--checkpoint", ""], "--checkpoint must name a directory, got ''")])  # was the current directory
+    (["--checkpoint", ""], "--checkpoint must name a path, got ''")])  # was the current directory
 def test_cli_refuses_an_empty_or_unknown_choice_of_checkpoint(argv, message, capsys, no_loading):
     assert message in _cli_error(argv, capsys)
 

@@ -178,7 +178,7 @@ def _cli_error(argv, capsys) -> str:
     (["--checkpoint", "{tmp}/nowhere"], "--checkpoint '{tmp}/nowhere': no such directory"),  # transformers' OSErrors
     (["--checkpoint", "{tmp}/a-file"], "--checkpoint '{tmp}/a-file' is not a directory"),
     (["--checkpoint", "{tmp}/empty"], "--checkpoint '{tmp}/empty' holds no config.json"),
-    (["--checkpoint", ""], "--checkpoint must name a directory, got ''"),
+    (["--checkpoint", ""], "--checkpoint must name a path, got ''"),
     (["--checkpoint", "{tmp}/bad-config"], "{tmp}/bad-config/config.json: model_type 3 is not an Inkling config"),
     (["--out", "{tmp}/a-file"], "argument --out: '{tmp}/a-file' is not a directory"),  # was NotADirectoryError
     (["--out", "{tmp}/a-file/sub"], "argument --out: '{tmp}/a-file/sub' cannot be a directory: '{tmp}/a-file' is "
