@@ -87,20 +87,25 @@ def positive_int_option(value: str) -> int:
 
 
 def writable_directory_option(value: str) -> Path:
-    """An argparse type: a directory that exists or can be created, and can be written in. Probed by making (and
-    removing) a temporary directory in it or its nearest existing parent: the one test that /proc, a read-only mount
-    or a missing permission answers truthfully (``os.access`` says yes to root)."""
+    """An argparse type: a directory that exists or can be created, and, where it is new or empty (so something is
+    to be written there), can be written in. Probed by making and removing a temporary directory in it or its
+    nearest existing parent: the one test that /proc, a read-only mount or a missing permission answers truthfully
+    (``os.access`` says yes to root). A directory holding files is left to the command (a cached result there is
+    read, not written)."""
     if not value:
-        raise argparse.ArgumentTypeError("must name a directory, got ''")  # Path('') is the current directory
+        raise argparse.ArgumentTypeError("must name a path, got ''")  # Path('') is the current directory
     directory = Path(value)
-    existing = next(p for p in (directory, *directory.parents) if p.exists())
-    if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"{value!r} is not a directory" if existing == directory else
-                                         f"{value!r} cannot be a directory: {str(existing)!r} is not one")
     try:
-        os.rmdir(tempfile.mkdtemp(dir=existing))
+        if directory.is_symlink() and not directory.exists():
+            raise argparse.ArgumentTypeError(f"{value!r} is a link to nothing")
+        existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
+        if not existing.is_dir():
+            raise argparse.ArgumentTypeError(f"{value!r} is not a directory" if existing == directory else
+                                             f"{value!r} cannot be a directory: {str(existing)!r} is not one")
+        if existing != directory or not any(directory.iterdir()):
+            os.rmdir(tempfile.mkdtemp(prefix=".inkling-write-probe-", dir=existing))
     except OSError as e:
-        raise argparse.ArgumentTypeError(f"{value!r}: cannot write in {str(existing)!r} ({e.strerror or e})") from None
+        raise argparse.ArgumentTypeError(f"{value!r} is not writable ({e.strerror or e})") from None
     return directory
 
 

@@ -119,9 +119,9 @@ def _refuse_data_loss(path: Path, files: Mapping[str, Mapping[str, torch.Tensor]
                                 f"(e.g. {foreign[:3]})")
     dropped = sorted(_depths(k for file in path.glob("*.safetensors") if file.is_file()
                              for k in _readable_keys(file)) - _depths(ours))
-    if dropped:  # a model loaded with num_depths=... saved back over its source
-        problems.append(f"the checkpoint here holds MTP depth(s) {dropped}, which this model (loaded with fewer "
-                        f"num_depths) lacks and the save would drop")
+    if dropped:  # a model loaded with num_depths=... saved back over its source, say
+        raise CheckpointError(f"{path}: refusing to save here: the checkpoint holds MTP depth(s) {dropped}, which "
+                              "this model lacks and the save would drop (save to a new directory)")
     if not has_index:
         for file in sorted(path.glob("*.safetensors")):
             if file.name not in files and file.is_file():

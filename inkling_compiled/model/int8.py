@@ -61,15 +61,16 @@ def check_scheme(scheme) -> None:
                             f"config instance ({torchao_schemes.INSTALL_HINT})")
 
 
-def check_runs_int8(device: torch.device, dtype: torch.dtype) -> None:
-    """ArgumentError unless a model on ``device`` with ``dtype`` activations has int8 weight-only kernels."""
+def check_runs_int8(device: torch.device, dtype: torch.dtype, error: type[ValueError] = ArgumentError) -> None:
+    """``error`` unless a model on ``device`` with ``dtype`` activations has int8 weight-only kernels: an
+    ArgumentError for a model about to be quantized, a ValueError for one quantized before (its state)."""
     if device.type not in DEVICES:
-        raise ArgumentError(f"int8 weight-only drafting has kernels on {' and '.join(DEVICES)}, not on {device}")
+        raise error(f"int8 weight-only drafting has kernels on {' and '.join(DEVICES)}, not on {device}")
     if dtype != ACTIVATION_DTYPE:
-        raise ArgumentError(f"int8 weight-only drafting runs with bfloat16 activations, this model runs in {dtype}, "
-                            "for which no int8 kernel applies (the weight would be converted on every call: over 10x "
-                            "slower than not quantizing, measured in float32); load with dtype=torch.bfloat16 or call "
-                            ".to(torch.bfloat16) before quantizing (with target=, the target must be bfloat16)")
+        raise error(f"int8 weight-only drafting runs with bfloat16 activations, this model runs in {dtype}, "
+                    "for which no int8 kernel applies (the weight would be converted on every call: over 10x "
+                    "slower than not quantizing, measured in float32); load with dtype=torch.bfloat16 or call "
+                    ".to(torch.bfloat16) before quantizing (with target=, the target must be bfloat16)")
 
 
 def quantize_rows(weight: torch.Tensor, multiplier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ def check_parameters(model: nn.Module) -> None:
 
     Reads the modules the model holds now: quantizing swaps modules, and a snapshot would check replaced tensors."""
     if model.quantization is not None:
-        int8.check_runs_int8(model.device, model.dtype)
+        int8.check_runs_int8(model.device, model.dtype, error=ValueError)
     kinds = {(p.dtype if p.is_floating_point() else None, p.device)
              for m in model.modules() for p in m._parameters.values() if p is not None}
     if len({device for _, device in kinds}) == 1 and len({dtype for dtype, _ in kinds} - {None}) == 1:

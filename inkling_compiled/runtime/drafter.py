@@ -321,7 +321,7 @@ class Drafter:
                         if k > 1 else None)
         buckets = arguments.size_tuple("batch_buckets", batch_buckets)
         if not buckets:
-            raise ArgumentError("batch_buckets must name at least one batch size")
+            raise ArgumentError(f"batch_buckets must name at least one batch size, got {batch_buckets!r}")
         self.batch_buckets = tuple(b for b in buckets if b < self.max_batch_size) + (self.max_batch_size,)
         self.graph_batch_limit = buckets[-1]
         self.graph_rows = decode_windows(k) if graph_rows is None else arguments.size_tuple("graph_rows", graph_rows)

@@ -40,9 +40,9 @@ from safetensors import SafetensorError
 from .. import arguments
 from ..arguments import ArgumentError
 from ..atomic_files import build_directory_atomically
-from ..checkpoint.layout import INDEX_FILE, MTP_FILE
+from ..checkpoint.layout import INDEX_FILE, MTP_FILE, CheckpointError
 from ..checkpoint.reader import checkpoint_directory, open_checkpoint, read_header, stored_dtype
-from ..config import CONFIG_FILE, logits_vocab_size
+from ..config import CONFIG_FILE, ConfigError, logits_vocab_size
 from ..testing.synthetic import PRESETS, cached_checkpoint, default_cache_root, greedy_generation_config, load_hf_target
 
 PROG = "python -m inkling_compiled.training.distill"
@@ -327,10 +327,11 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
     _check_arguments(params, force=force, progress=progress)
     if prompts is not None:
         params["prompts"] = prompts_digest(prompts, eval_prompts)
-    out_dir = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, **params)
+    out_dir = arguments.path("out_dir", out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, **params)
     if (out_dir / METRICS_FILE).is_file() and not force:
         _log(f"cached: {out_dir}", progress)
         return out_dir
+    _check_out_dir(out_dir, checkpoint_dir)
     if force and out_dir.exists():
         shutil.rmtree(out_dir)
 
@@ -383,6 +384,17 @@ def _check_arguments(params: dict, **flags) -> None:
         arguments.check_bool(name, value)
 
 
+def _check_out_dir(out_dir: Path, checkpoint_dir: Path, name: str = "out_dir") -> None:
+    """ArgumentError unless ``out_dir`` is new, empty or a distilled checkpoint (what ``force`` may delete), and
+    neither ``checkpoint_dir`` nor a directory holding it."""
+    if out_dir.resolve() in (checkpoint_dir.resolve(), *checkpoint_dir.resolve().parents):
+        raise ArgumentError(f"{name} {str(out_dir)!r} holds the checkpoint distilled ({str(checkpoint_dir)!r}): "
+                            "name a new or empty directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / METRICS_FILE).is_file():
+        raise ArgumentError(f"{name} {str(out_dir)!r} holds files but no {METRICS_FILE}, so is no distilled "
+                            "checkpoint (a forced run would delete it): name a new or empty directory")
+
+
 def main(argv=None) -> int:
     parser = arguments.OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group()
@@ -409,17 +421,15 @@ def main(argv=None) -> int:
             checkpoint_directory("--checkpoint", args.checkpoint)
         except ArgumentError as e:
             parser.error(str(e))
-    out = args.out
-    if out is not None and out.is_dir() and any(out.iterdir()) and not (out / METRICS_FILE).is_file():
-        parser.error(f"--out {str(out)!r} holds files but no {METRICS_FILE}, so is no distilled checkpoint (--force "
-                     "would delete it): name a new or empty directory")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:  # the library's refusals and unreadable or damaged files: one line, as in generate.py
         checkpoint = Path(args.checkpoint) if args.checkpoint else cached_checkpoint(args.config)
         open_checkpoint(checkpoint)  # the library's own checks of config and files, before transformers reads them
-        out = distill(checkpoint, out, force=args.force, **params)
-    except (ValueError, TypeError, OSError, MemoryError, SafetensorError) as e:
+        if args.out is not None:
+            _check_out_dir(args.out, checkpoint, "--out")
+        out = distill(checkpoint, args.out, force=args.force, **params)
+    except (ArgumentError, ConfigError, CheckpointError, OSError, SafetensorError) as e:  # not a bug's ValueError
         print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     metrics = load_metrics(out)

@@ -145,7 +145,7 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
     (dict(max_length=64.5), "max_length must be an int >= 1, got 64.5"),
     (dict(batch_buckets=(0, 2)), "each of batch_buckets must be an int >= 1, got 0"),
     (dict(batch_buckets=(1, 2.5)), "each of batch_buckets must be an int >= 1, got 2.5"),
-    (dict(batch_buckets=()), "batch_buckets must name at least one batch size"),
+    (dict(batch_buckets=()), r"batch_buckets must name at least one batch size, got \(\)"),
     (dict(batch_buckets=4), "batch_buckets must be a tuple of ints >= 1, got 4"),
     (dict(batch_buckets="12"), "batch_buckets must be a tuple of ints >= 1, got '12'"),
     (dict(graph_rows=(0, 1)), "each of graph_rows must be an int >= 1, got 0"),

@@ -129,6 +129,19 @@ def test_distill_arguments_are_checked_before_anything_runs(tiny_checkpoint, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_dir_a_forced_run_would_wrongly_delete_is_refused(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(D, "load_hf_target", lambda *args, **kwargs: pytest.fail("the target was loaded"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("not ours")
+    for out, match in ((tmp_path / "other", r"holds files but no distill\.json"),
+                       (tiny_checkpoint, "holds the checkpoint distilled"),
+                       (tiny_checkpoint.parent, "holds the checkpoint distilled"),
+                       ("", "out_dir must name a path, got ''")):
+        with pytest.raises(ArgumentError, match=match):
+            D.distill(tiny_checkpoint, out, force=True, progress=False, **QUICK)
+    assert (tmp_path / "other" / "keep.txt").read_text() == "not ours" and tiny_checkpoint.is_dir()
+
+
 def test_the_top_seed_trains_as_torch_wraps_it(tiny_checkpoint):
     """The batch sampler's seed is seed + 1: at 2**64 - 1, a seed torch takes, that overflowed; wrapped modulo 2**64
     as torch wraps seeds, 2**64 - 1 and -1 sample the same batches."""
@@ -183,9 +196,9 @@ def _cli_error(argv, capsys) -> str:
     (["--out", "{tmp}/a-file"], "argument --out: '{tmp}/a-file' is not a directory"),  # was NotADirectoryError
     (["--out", "{tmp}/a-file/sub"], "argument --out: '{tmp}/a-file/sub' cannot be a directory: '{tmp}/a-file' is "
                                     "not one"),
-    pytest.param(["--out", "/proc/nope"], "argument --out: '/proc/nope': cannot write in '/proc'",  # FileNotFoundError
+    pytest.param(["--out", "/proc/nope"], "argument --out: '/proc/nope' is not writable",  # FileNotFoundError
                  marks=pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")),
-    (["--out", ""], "argument --out: must name a directory, got ''"),
+    (["--out", ""], "argument --out: must name a path, got ''"),
     (["--out", "{tmp}/other"], "--out '{tmp}/other' holds files but no distill.json"),  # --force deleted it
     (["--prompt-len", "12"], "--prompt-len must be < --seq-len (12), the length each prompt is continued to, got 12"),
     (["--prompt-len", "20"], "--prompt-len must be < --seq-len (12), the length each prompt is continued to, got 20"),

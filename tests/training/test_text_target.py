@@ -2,6 +2,7 @@
 and byte vocabulary, a checkpoint both libraries load with the trained weights, a reproducible build, lossless
 speculative decoding on held-out prompts, and the generate CLI printing text."""
 
+import argparse
 import hashlib
 import json
 import os
@@ -286,12 +287,30 @@ def test_build_command_line_refuses_a_thread_count_below_one(capsys):
     assert "argument --threads: must be an int >= 1, got '0'" in capsys.readouterr().err
 
 
+def test_a_root_holding_files_is_not_probed_for_writing(tmp_path, monkeypatch):
+    """A directory with files in it (a built target, read not written) is left to the command: a read-only cache
+    holding the target must still serve it."""
+    from inkling_compiled import arguments
+
+    def unwritable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(arguments.tempfile, "mkdtemp", unwritable)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "built").write_text("")
+    assert arguments.writable_directory_option(str(tmp_path / "full")) == tmp_path / "full"
+    (tmp_path / "empty").mkdir()
+    for new_or_empty in ("new", "empty"):  # something is to be written there: probed
+        with pytest.raises(argparse.ArgumentTypeError, match="is not writable"):
+            arguments.writable_directory_option(str(tmp_path / new_or_empty))
+
+
 @pytest.mark.parametrize("root, message", [
     ("{tmp}/a-file", "argument --root: '{tmp}/a-file' is not a directory"),  # was NotADirectoryError
     ("{tmp}/a-file/sub", "argument --root: '{tmp}/a-file/sub' cannot be a directory: '{tmp}/a-file' is not one"),
-    pytest.param("/proc/nope", "argument --root: '/proc/nope': cannot write in '/proc'",  # was FileNotFoundError
+    pytest.param("/proc/nope", "argument --root: '/proc/nope' is not writable",  # was FileNotFoundError
                  marks=pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")),
-    ("", "argument --root: must name a directory, got ''")])  # was the current directory
+    ("", "argument --root: must name a path, got ''")])  # was the current directory
 def test_build_command_line_refuses_a_root_it_cannot_build_in(tmp_path, capsys, monkeypatch, root, message):
     monkeypatch.setattr(T, "build", lambda *args, **kwargs: pytest.fail("built"))
     (tmp_path / "a-file").write_text("")
