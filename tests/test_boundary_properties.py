@@ -96,7 +96,8 @@ SCALARS = {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "eos_token_id"
 
 
 class _Reached(Exception):
-    """The loop called the target: every argument was accepted."""
+    """speculative_generate handed its arguments to the loop: every one was accepted (the loop itself is not run: a
+    stand-in drafter of max_length 2**80 takes any max_new_tokens, whose output buffer the loop would allocate)."""
 
 
 def _reached(*args, **kwargs):
@@ -111,7 +112,7 @@ def target():
 @settings(SWEEP, max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(SCALARS)), value=hostile)
 def test_every_scalar_of_the_loop_is_accepted_or_refused_by_name(target, monkeypatch, name, value):
-    monkeypatch.setattr(speculative, "_target_step", _reached)
+    monkeypatch.setattr(speculative, "run_loop", _reached)
     drafter = StandInDrafter(128, max_batch_size=2, max_length=2**80)
     kwargs = {**SCALARS, name: value}
     try:
@@ -137,6 +138,6 @@ def test_array_likes_that_are_no_integer_are_refused_by_name(target, monkeypatch
 @pytest.mark.parametrize("name, value", [("temperature", np.float32(0.5)), ("top_p", np.float32(0.9)),
                                          ("max_new_tokens", np.int64(3))], ids=repr)
 def test_numpy_scalars_are_accepted_like_python_numbers(target, monkeypatch, name, value):
-    monkeypatch.setattr(speculative, "_target_step", _reached)
+    monkeypatch.setattr(speculative, "run_loop", _reached)
     with pytest.raises(_Reached):
         speculative_generate(target, StandInDrafter(128), torch.randint(1, 100, (1, 4)), **{**SCALARS, name: value})
