@@ -117,6 +117,8 @@ def _image_features(target, image) -> torch.Tensor:
         raise ArgumentError(f"mm_encoder_outputs['image'] must be the target's vision output, as "
                             f"get_image_features(pixel_values, return_dict=True) returns it (its pooler_output a "
                             f"floating-point tensor [patches, 1, {hidden}]), got {got}")
+    if not bool(features.isfinite().all()):  # as pixel_values: garbage rows the target would be prefilled with
+        raise ArgumentError("mm_encoder_outputs['image'].pooler_output holds a NaN or inf")
     return features
 
 

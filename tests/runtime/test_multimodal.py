@@ -7,6 +7,8 @@ ahead, not the placeholder ids' embeddings.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -202,6 +204,8 @@ def test_cli_decodes_an_image_and_audio_prompt(capsys, dtype):
      r"tensor on cpu of shape \[6, 1, 32\]"),
     (dict(mm_encoder_outputs={"audio": torch.randn(3, 64)}), r"mm_encoder_outputs takes only the key 'image' .*got "
                                                             r"\['audio'\]"),
+    (dict(mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=torch.full((6, 1, 64), math.nan))}),
+     r"mm_encoder_outputs\['image'\]\.pooler_output holds a NaN or inf"),
 ])
 def test_media_the_towers_cannot_take_are_refused_by_name(tiny_mm, inputs, match):
     """Each was an error from inside the towers (an index error; a CUDA device assert) or the merge (an
