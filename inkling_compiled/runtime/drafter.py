@@ -602,6 +602,10 @@ class Drafter:
         manifest = packaged.read_manifest(directory, layout_fields=packaged.LAYOUT_FIELDS)
         k = manifest["built_for"]["num_speculative_tokens"] if num_speculative_tokens is None \
             else num_speculative_tokens
+        if k > model.config.num_depths:  # the package's K, which the caller did not pass: named as the package's
+            raise ArgumentError(f"the package {str(directory)!r} drafts K = {k}, but the model has "
+                                f"{model.config.num_depths} loaded MTP depth(s): load more with from_pretrained(..., "
+                                f"num_depths={k}), or pass num_speculative_tokens <= {model.config.num_depths}")
         inductor = _compile_options(compile_options, model.device.type == "cuda", fast_inductor_options(model))
         matches = packaged.matches(directory, manifest, packaged.built_for(model, inductor.get("options", {}), k),
                                    fallback=fallback)

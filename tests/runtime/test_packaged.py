@@ -191,6 +191,13 @@ def test_a_package_for_another_k_is_refused_naming_it(model, packages):
 
 
 # "cpu ZVECTOR" is s390x's vector ISA: never the one of the x86 machine running this (AVX512 and AVX2 both are)
+def test_a_package_of_more_depths_than_the_model_loaded_is_named_as_the_packages_k(packages):
+    shallow = tiny_mtp(num_mtp_layers=1, mtp_local_layer_ids=[0])
+    for fallback in (False, True):
+        with pytest.raises(ArgumentError, match=r"the package .* drafts K = 3, but the model has 1 loaded MTP depth"):
+            Drafter.load_compiled(packages[3], shallow, fallback=fallback)
+
+
 @pytest.mark.parametrize("field, recorded", [("torch", "2.11.0"), ("device", "cpu ZVECTOR"), ("passes", None)])
 def test_a_package_recorded_for_another_torch_device_or_pass_version_is_refused(model, copied, field, recorded):
     directory = edit_manifest(copied, lambda m: m["built_for"].update({field: recorded}))
