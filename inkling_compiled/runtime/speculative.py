@@ -190,16 +190,20 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids, dtype=torch.long)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        raise ArgumentError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ArgumentError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
     mask_cpu = attention_mask.cpu()
     if not bool(((mask_cpu == 0) | (mask_cpu == 1)).all()):  # before the cast: 0.5 must not truncate to 0
         raise ArgumentError("attention_mask must contain only 0 and 1")
     attention_mask, mask_cpu = attention_mask.to(device=input_ids.device, dtype=torch.long), mask_cpu.long()
-    if bool((mask_cpu[:, 1:] < mask_cpu[:, :-1]).any()):
-        raise ArgumentError("attention_mask must be left-padded (zeros, then ones, in every row)")
+    unpadded = (mask_cpu[:, 1:] < mask_cpu[:, :-1]).any(dim=1)
+    if bool(unpadded.any()):
+        raise ArgumentError(f"attention_mask must be left-padded (zeros, then ones, in every row), got row "
+                            f"{int(unpadded.nonzero()[0])}: {mask_cpu[int(unpadded.nonzero()[0])].tolist()}")
     real = mask_cpu.sum(dim=1)
     if bool((real == 0).any()):
-        raise ArgumentError("every sequence needs at least one real (attention_mask == 1) prompt token")
+        raise ArgumentError(f"every sequence needs at least one real (attention_mask == 1) prompt token, got none in "
+                            f"row {int((real == 0).nonzero()[0])}")
     if batch > drafter.max_batch_size:
         raise ArgumentError(f"batch size {batch} exceeds the drafter's max_batch_size {drafter.max_batch_size}")
     longest = int(real.max())

@@ -336,7 +336,9 @@ class ExplodingDrafter(StandInDrafter):
     (dict(prompt_len=13), "prompt of 13 tokens is longer than the drafter's max_length 12"),
     (dict(prompt_len=8, max_new_tokens=6), r"prompt of 8 tokens \+ max_new_tokens 6 - 1 exceeds"),
     (dict(batch=3), "batch size 3 exceeds the drafter's max_batch_size 2"),
-    (dict(right_padded=True), "left-padded"),
+    (dict(right_padded=True), r"left-padded \(zeros, then ones, in every row\), got row 0: \[1, 1, 1, 0\]"),
+    (dict(empty_row=True), r"at least one real \(attention_mask == 1\) prompt token, got none in row 0"),
+    (dict(short_mask=True), r"attention_mask must have the shape of input_ids \(1, 4\), got \(1, 3\)"),
     (dict(temperature=-1.0), "temperature must be"),
     (dict(top_p=0.0), "top_p must be in"),
     (dict(token=-1), r"token id -1, outside the target's vocabulary \[0, 128\)"),
@@ -364,6 +366,10 @@ def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, mat
     ids = ids.to(case.get("device", "cpu"))
     if case.get("right_padded"):
         mask[:, -1] = 0
+    if case.get("empty_row"):
+        mask[0] = 0
+    if case.get("short_mask"):
+        mask = mask[:, :3]
     if "mask_value" in case:
         mask = mask.float()
         mask[0, 0] = case["mask_value"]
