@@ -146,7 +146,7 @@ def _device(value: str) -> str:
 
 def _checkpoint(value: str) -> Path:
     try:
-        return checkpoint_directory("directory", value)
+        return checkpoint_directory("checkpoint", value)
     except arguments.ArgumentError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

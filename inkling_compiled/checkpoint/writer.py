@@ -14,7 +14,6 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .. import arguments
@@ -62,10 +61,7 @@ def save_checkpoint(path, config: MTPConfig, tensors: Mapping[str, torch.Tensor]
     if index is not None:
         writers[INDEX_FILE] = lambda file: _write_json(file, index)
     writers[CONFIG_FILE] = lambda file: _write_json(file, config_json)  # renamed last
-    try:
-        write_files_atomically(path, writers)
-    except (OSError, SafetensorError) as e:  # a read-only or full disk: safetensors' error names no file
-        raise CheckpointError(f"the checkpoint {path} could not be written (nothing in it changed): {e}") from e
+    write_files_atomically(path, writers)
 
 
 def _files_to_write(tensors: Mapping[str, torch.Tensor], include_shared: bool):
