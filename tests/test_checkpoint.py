@@ -1037,6 +1037,18 @@ def test_save_over_a_sharded_checkpoint_loads_what_was_saved(sharded, other, tmp
     assert torch.equal(target.lm_head.weight, other.lm_head_weight)
 
 
+def test_save_over_a_sharded_checkpoint_drops_index_entries_of_mtp_keys_it_does_not_hold(model, sharded, tmp_path):
+    path = _copy(sharded, tmp_path / "sharded")
+    index = json.loads((path / C.INDEX_FILE).read_text())
+    shard = next(v for v in index["weight_map"].values() if v not in (C.MTP_FILE, C.SHARED_FILE))  # not rewritten
+    index["weight_map"]["model.mtp.layers.0.stale.weight"] = shard  # an MTP entry no file holds
+    (path / C.INDEX_FILE).write_text(json.dumps(index))
+    model.save_pretrained(path)
+    weight_map = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
+    assert "model.mtp.layers.0.stale.weight" not in weight_map
+    _assert_bit_exact(InklingMTP.from_pretrained(path), model)
+
+
 def test_save_without_shared_over_a_sharded_checkpoint(sharded, other, tmp_path):
     path = _copy(sharded, tmp_path / "sharded")
     index_before = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
