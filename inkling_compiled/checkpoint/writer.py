@@ -110,35 +110,36 @@ def _refuse_data_loss(path: Path, files: Mapping[str, Mapping[str, torch.Tensor]
     """Refuse a save that would destroy tensors it does not own or depths it did not load, or leave a key in two
     files with no index."""
     ours = {k for keys in files.values() for k in keys}
+    held = {file.name: _readable_keys(file) for file in sorted(path.glob("*.safetensors")) if file.is_file()}
     problems = []
     for name in files:
-        if (path / name).is_file():
-            foreign = sorted(k for k in _readable_keys(path / name) if not is_draft_key(k))
-            if foreign:
-                problems.append(f"replacing {name} would destroy {len(foreign)} tensor(s) this save does not own "
-                                f"(e.g. {foreign[:3]})")
-    dropped = sorted(_depths(k for file in path.glob("*.safetensors") if file.is_file()
-                             for k in _readable_keys(file)) - _depths(ours))
+        foreign = sorted(k for k in held.get(name) or () if not is_draft_key(k))
+        if foreign:
+            problems.append(f"replacing {name} would destroy {len(foreign)} tensor(s) this save does not own "
+                            f"(e.g. {foreign[:3]})")
+    dropped = sorted(_depths(k for keys in held.values() for k in keys or ()) - _depths(ours))
     if dropped:  # a model loaded with num_depths=... saved back over its source, say
         raise CheckpointError(f"{path}: refusing to save here: the checkpoint holds MTP depth(s) {dropped}, which "
                               "this model lacks and the save would drop (save to a new directory)")
     if not has_index:
-        for file in sorted(path.glob("*.safetensors")):
-            if file.name not in files and file.is_file():
-                both = sorted(ours & set(read_header(file)))
+        for name, keys in held.items():
+            if name not in files:
+                both = sorted(ours & set(read_header(path / name) if keys is None else keys))  # unreadable: named
                 if both:
-                    problems.append(f"{file.name} also holds {len(both)} of the tensors saved (e.g. {both[:3]}) and "
+                    problems.append(f"{name} also holds {len(both)} of the tensors saved (e.g. {both[:3]}) and "
                                     f"there is no {INDEX_FILE} to choose between the copies")
     if problems:
         raise CheckpointError(f"{path}: refusing to save here: " + "; ".join(problems)
                               + " (save to a new directory, or pass include_shared=False to write only the MTP)")
 
 
-def _readable_keys(file: Path) -> list[str]:
+def _readable_keys(file: Path) -> list[str] | None:
+    """The raw keys ``file`` holds, read once for every check; None for an unreadable file (it holds nothing to
+    lose)."""
     try:
         return list(read_header(file))
-    except CheckpointError:  # an unreadable file holds nothing to lose
-        return []
+    except CheckpointError:
+        return None
 
 
 def _depths(keys: Iterable[str]) -> set[int]:
