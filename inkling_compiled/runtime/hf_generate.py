@@ -79,12 +79,12 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
         raise ArgumentError("custom_generate needs input_ids (a prompt given as inputs_embeds only is not supported)")
     max_length = generation_config.max_length
     criteria = []
-    eos = None
+    eos = None  # every EosTokenCriteria's ids: generate stops a row at any of them
     for criterion in stopping_criteria:
         if isinstance(criterion, MaxLengthCriteria):
             max_length = min(max_length, criterion.max_length)
         elif isinstance(criterion, EosTokenCriteria):
-            eos = criterion.eos_token_id.reshape(-1).tolist()
+            eos = list(dict.fromkeys([*(eos or []), *criterion.eos_token_id.reshape(-1).tolist()]))
         elif type(criterion).__name__ == "ConfidenceCriteria":
             raise ArgumentError("stopping_criteria: custom_generate cannot honour ConfidenceCriteria (assisted "
                                 "decoding's, it reads scores)")

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 from transformers import LogitsProcessorList, PreTrainedTokenizerFast, StoppingCriteria, TopKLogitsWarper
-from transformers.generation import StopStringCriteria, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation import EosTokenCriteria, StopStringCriteria, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
 from inkling_compiled.runtime import SpeculativeGenerateOutput, custom_generate
@@ -74,6 +74,17 @@ def test_eos_one_or_several_and_pad(target, k):
         reference, ours = both(target, ids, mask, k, 0, max_new_tokens=MAX_NEW, eos_token_id=eos_ids,
                                pad_token_id=PAD)
         assert torch.equal(ours, reference) and (reference[0, ids.shape[1]:] == eos).any()
+
+
+def test_several_eos_criteria_each_stop_their_rows(target):
+    """Two EosTokenCriteria of the caller's (the first replaces generate's own): generate stops a row at either's
+    id; only the last one's ids were kept, so rows ran past the first's."""
+    ids, mask = prompts_for(3, seed=7)
+    first, second = continuation_token(target, ids, mask, 2), continuation_token(target, ids, mask, 6)
+    criteria = [EosTokenCriteria(first), EosTokenCriteria(second)]
+    reference, ours = both(target, ids, mask, 3, 0, max_new_tokens=MAX_NEW, eos_token_id=second, pad_token_id=PAD,
+                           stopping_criteria=criteria)
+    assert torch.equal(ours, reference) and (reference[0, ids.shape[1]:] == PAD).any()
 
 
 def test_processors_are_applied_to_the_target(target):
