@@ -316,6 +316,9 @@ class Drafter:
         self.max_batch_size = arguments.positive_int("max_batch_size", max_batch_size)
         self.max_length = arguments.positive_int("max_length", max_length)
         self.cache = model.new_cache(self.max_batch_size, self.max_length)
+        # per sequence, the positions 0..n-1 validated calls wrote (None: unknown after an unchecked call), so that a
+        # call skipping ahead of them is refused rather than read the stale slots in between
+        self._written: list[int | None] = [0] * self.max_batch_size
         k = self.num_speculative_tokens
         self.history = (CommittedRows(self.max_batch_size, k, model.config.hidden_size, model.dtype, model.device)
                         if k > 1 else None)
@@ -440,7 +443,7 @@ class Drafter:
         Row t of sequence b is (target hidden at ``positions[b, t]``, committed token at ``positions[b, t] + 1``);
         negative positions mark padding rows, which may sit anywhere (left or right padding); the real rows of a
         sequence are consecutive positions. While decoding, pass the rows verified since the last call (the drafter
-        re-runs stale rows itself). ``validate`` checks every argument (:meth:`check`: one host sync); callers that
+        re-runs stale rows itself). ``validate`` checks every argument (:meth:`check`: two host syncs); callers that
         validated at their own boundary pass ``validate=False``, and then nothing is checked at all.
 
         ``inputs_embeds`` [B, T, H] (multimodal prompts, docs/model.md §7): row t's input row in place of the
@@ -449,12 +452,14 @@ class Drafter:
         tokens. Such calls run the compiled (or eager) steps without CUDA graphs, one graph per bucket whatever the
         prompt (a packaged drafter compiles them on first use).
         """
+        ends = None
         if validate is not False:  # the loop's hot path passes False: anything else is checked, itself included
             arguments.check_bool("validate", validate)
-            self.check(input_ids, positions, hidden, inputs_embeds)
+            ends = self._checked_ends(input_ids, positions, hidden, inputs_embeds)
             arguments.temperature(temperature)
             arguments.generator(generator, self.model.device)
         batch, rows = positions.shape
+        self._written = [None] * self.max_batch_size if ends is None else ends + self._written[batch:]
         shape = self._shape(batch, rows, temperature > 0)
         exact = batch == shape.batch and rows == shape.rows  # no padding: skip the slicing (it costs per call)
         for buffer, value in zip(shape.args(), (input_ids, positions, hidden)):  # inference state: no autograd history
@@ -484,7 +489,12 @@ class Drafter:
 
     def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
               inputs_embeds: torch.Tensor | None = None) -> None:
-        """ArgumentError naming the problem for a bad batch, shape, id, position or value (one host sync)."""
+        """ArgumentError naming the problem for a bad batch, shape, id, position or value, or for a sequence whose
+        new rows start past the positions earlier validated calls wrote (two host syncs)."""
+        self._checked_ends(input_ids, positions, hidden, inputs_embeds)
+
+    def _checked_ends(self, input_ids, positions, hidden, inputs_embeds) -> list[int]:
+        """:meth:`check`, then each sequence's last real position + 1 (what the call leaves written)."""
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
             got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
             raise ArgumentError(f"positions must be a [batch, rows] tensor, got {got}")
@@ -493,7 +503,7 @@ class Drafter:
             raise ArgumentError(f"positions: a batch of {batch} sequences exceeds the drafter's max_batch_size "
                                 f"{self.max_batch_size}")
         self.check_model_unchanged()
-        self.model.check_inputs(input_ids, positions, hidden, self.cache, drafting=True)
+        _, positions = self.model.check_inputs(input_ids, positions, hidden, self.cache, drafting=True)  # as int64
         if inputs_embeds is not None and (not isinstance(inputs_embeds, torch.Tensor)
                                           or inputs_embeds.shape != hidden.shape
                                           or inputs_embeds.dtype != self.model.dtype
@@ -502,6 +512,17 @@ class Drafter:
                 if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
             raise ArgumentError(f"inputs_embeds must be a {self.model.dtype} tensor on {self.model.device} shaped like "
                                 f"hidden {tuple(hidden.shape)}, got {got}")
+        real = positions >= 0
+        none = torch.iinfo(torch.long).max
+        firsts, lasts = torch.stack([positions.masked_fill(~real, none).amin(dim=1),
+                                     positions.masked_fill(~real, -1).amax(dim=1)]).tolist()
+        for b, (first, written) in enumerate(zip(firsts, self._written)):
+            if written is not None and first > written:
+                held = f"positions 0..{written - 1}" if written else "no position"
+                raise ArgumentError(f"sequence {b}: its rows start at position {first}, but this Drafter holds {held} "
+                                    f"of it: the rows of positions {written}..{first - 1} are missing (pass every row "
+                                    "verified since the last call, or start a new sequence at position 0)")
+        return [last + 1 for last in lasts]
 
     def check_model_unchanged(self) -> None:
         """ValueError when the model was converted (``.to``, ``.half``, ...) after this Drafter built its cache and

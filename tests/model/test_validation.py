@@ -222,7 +222,9 @@ def test_position_past_cache_forward(model, inputs):
 
 def test_position_past_cache_drafter(drafter, inputs):
     ids, positions, hidden = inputs
-    drafter.draft(ids, positions + MAX_LEN - T, hidden)
+    ids, hidden = ids.repeat(1, 3)[:, :MAX_LEN], hidden.repeat(1, 3, 1)[:, :MAX_LEN]
+    drafter.draft(ids, torch.arange(MAX_LEN).expand(B, MAX_LEN), hidden)  # up to the last position
+    ids, positions, hidden = inputs
     with pytest.raises(ArgumentError, match=rf"position {MAX_LEN} is past the cache capacity: max_length is {MAX_LEN} "
                                          rf"\(positions 0\.\.{MAX_LEN - 1}; negative positions mark padding rows\)"):
         drafter.draft(ids, positions + MAX_LEN - T + 1, hidden)
@@ -247,6 +249,7 @@ def test_negative_position_is_padding_for_drafter(drafter, inputs):
     ids, positions, hidden = inputs
     padded = positions.clone()
     padded[0, 0] = -1
+    drafter.draft(ids[:, :1], positions[:, :1], hidden[:, :1])  # position 0 first: the calls below continue it
     assert torch.equal(drafter.draft(ids, padded, hidden).tokens[0], drafter.draft(ids[:, 1:], positions[:, 1:],
                                                                                    hidden[:, 1:]).tokens[0])
 
@@ -352,8 +355,8 @@ def test_non_finite_inputs_embeds_in_a_real_row(model, inputs):
 def test_non_finite_hidden_in_padding_rows_is_accepted(kind, model, drafter, inputs):
     ids, positions, hidden = inputs
     positions, hidden = positions.clone(), hidden.clone()
-    positions[0, 0] = -1 if kind == "drafter" else MAX_LEN  # each entry point's padding convention
-    hidden[0, 0] = float("nan")
+    positions[0, -1] = -1 if kind == "drafter" else MAX_LEN  # each entry point's padding convention
+    hidden[0, -1] = float("nan")
     out = _run(kind, model, drafter, ids, positions, hidden)
     assert torch.isfinite(out.hidden if kind == "drafter" else out[1]).all()
 
@@ -369,7 +372,7 @@ def test_right_padded_and_gapped_positions(kind, model, drafter, inputs):
     """Padding may sit anywhere, but a sequence's real rows must still be consecutive positions."""
     ids, positions, hidden = inputs
     pad = -1 if kind == "drafter" else MAX_LEN
-    _run(kind, model, drafter, ids, torch.tensor([[4, pad, 5], [2, 3, pad]]), hidden)
+    _run(kind, model, drafter, ids, torch.tensor([[0, pad, 1], [0, 1, pad]]), hidden)
     with pytest.raises(ArgumentError, match=r"sequence 0: positions \[4, 6\] are not consecutive"):
         _run(kind, model, drafter, ids, torch.tensor([[4, pad, 6], [2, 3, pad]]), hidden)
     with pytest.raises(ArgumentError, match=r"sequence 1: positions \[3, 2\] are not consecutive"):

@@ -81,12 +81,43 @@ def test_batch_sizes_within_a_bucket_share_one_compiled_step():
         return drafter.draft(ids[:batch, col], positions[:batch, col], hidden[:batch, col]).tokens
 
     drafter.draft(ids[:, :PROMPT], positions[:, :PROMPT], hidden[:, :PROMPT])
-    step(3, PROMPT)  # compiles the (4 sequences, 1 row) shape
+    step(4, PROMPT)  # compiles the (4 sequences, 1 row) shape
+    batches = (4, 3, 3)  # once left out, row 3 stays out (back, it would have skipped a position)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        tokens = [step(batch, PROMPT + i) for i, batch in enumerate((4, 3, 4), start=1)]
+        tokens = [step(batch, PROMPT + i) for i, batch in enumerate(batches, start=1)]
     expected = model.get_top_tokens(model(ids, positions, hidden))
-    for i, (batch, got) in enumerate(zip((4, 3, 4), tokens), start=1):
+    for i, (batch, got) in enumerate(zip(batches, tokens), start=1):
         assert torch.equal(got, expected[:batch, PROMPT + i])
+
+
+@torch.no_grad()
+def test_rows_that_skip_ahead_of_what_was_written_are_refused():
+    """The slots between what a sequence's validated calls wrote and its new rows would be read stale (zeros, or an
+    earlier sequence's): refused by name. Rewinding (rejected drafts) and starting again at 0 are fine; an unchecked
+    call forgets what was written, so the next validated call is not refused for it."""
+    drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
+    ids, positions, hidden = stream(2, 24)
+
+    def call(*columns, validate=True):
+        index = torch.tensor(columns)
+        return drafter.draft(ids[:, index], positions[:, index], hidden[:, index], validate=validate)
+
+    with pytest.raises(ArgumentError, match=r"sequence 0: its rows start at position 3, but this Drafter holds no "):
+        call(3, 4)
+    call(*range(11))
+    with pytest.raises(ArgumentError, match=r"holds positions 0\.\.10 of it: the rows of positions 11\.\.11 are"):
+        call(12)
+    call(11, 12)
+    call(5)  # rewound: 6.. now stale
+    with pytest.raises(ArgumentError, match=r"positions 6\.\.6 are missing"):
+        call(7)
+    call(0, 1)  # a new sequence
+    call(20, validate=False)
+    call(21)
+    padded = torch.tensor([[22, 23], [-1, 9]])  # row 1 holds 0..21 and goes back to 9; row 0 skips nothing
+    drafter.draft(ids[:, :2], padded, hidden[:, :2])
+    with pytest.raises(ArgumentError, match=r"sequence 1: its rows start at position 11"):
+        drafter.draft(ids[:, :2], torch.tensor([[24, 25], [11, -1]]), hidden[:, :2])
 
 
 @torch.no_grad()

@@ -99,7 +99,7 @@ def test_fast_path_options_stay_inside_our_compile(distilled):
     before = _config_snapshot()
     mtp = InklingMTP.from_pretrained(distilled, quantize="int8")
     drafter = Drafter(mtp, max_batch_size=1, max_length=32, graph_rows=(1,), num_speculative_tokens=1)
-    ids, positions = torch.tensor([[17]]), torch.tensor([[5]])
+    ids, positions = torch.tensor([[17]]), torch.tensor([[0]])
     hidden = torch.randn(1, 1, mtp.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(BF16)
     result = drafter.draft(ids, positions, hidden)
     eager = mtp(ids, positions, hidden, cache=mtp.new_cache(1, 32))[:, -1]
