@@ -630,6 +630,7 @@ class Drafter:
         inductor = _compile_options(compile_options, model.device.type == "cuda", fast_inductor_options(model))
         matches = packaged.matches(directory, manifest, packaged.built_for(model, inductor.get("options", {}), k),
                                    fallback=fallback)
+        packaged.check_cache_size(directory, manifest)
         layout = manifest["layout"]
         drafter = cls(model, layout["max_batch_size"], layout["max_length"], num_speculative_tokens=k,
                       compile=compile, cuda_graphs=cuda_graphs, batch_buckets=layout["batch_buckets"],

@@ -520,6 +520,21 @@ def _check_exported(directory, manifest: dict, key: tuple[int, int, bool], serve
                                f"{served} rows, but the manifest records it exported for [batch, rows] of {shapes}")
 
 
+def check_cache_size(directory, manifest: dict) -> None:
+    """PackageError unless the layout's ``max_batch_size`` and ``max_length`` are those of the cache each depth step
+    was exported against (``cache.k``: [batch, max_length + 1, ...]); checked before a drafter allocates a cache of
+    that size, which an edited manifest could make any size."""
+    layout = manifest["layout"]
+    want = [layout["max_batch_size"], layout["max_length"] + 1]
+    for name, record in manifest["steps"].items():
+        k = record["constants"].get("cache.k")
+        shape = k.get("shape") if isinstance(k, dict) else None
+        if k is not None and (not isinstance(shape, list) or shape[:2] != want):
+            raise PackageError(f"{directory} is damaged: its layout has max_batch_size {want[0]} and max_length "
+                               f"{want[1] - 1}, but step {name!r} was exported for a cache of [batch, max_length + 1] "
+                               f"{shape[:2] if isinstance(shape, list) else shape}")
+
+
 def load_rounds(drafter, directory, manifest: dict) -> dict[tuple[int, int, bool], functools.partial]:
     """Bucket key -> the packaged round of that bucket, its steps bound to ``drafter``'s model and cache (the drafter
     built from the manifest's layout, :func:`read_manifest` with :data:`LAYOUT_FIELDS`); a package saved with a

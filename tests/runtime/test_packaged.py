@@ -241,7 +241,12 @@ def test_a_missing_or_damaged_package_is_a_clear_error(model, copied, tmp_path):
     (lambda m: m.pop("steps"), "'steps' must be an object"),
     (lambda m: m["layout"].pop("buckets"), "layout lacks 'buckets'"),
     (lambda m: m["steps"].pop("b2-r2-greedy-depth0"), "the manifest has no step 'b2-r2-greedy-depth0'"),
-    (lambda m: m["layout"].update(max_length=64), r"needs tensors this model and drafter do not have: cache\.conv"),
+    # checked before the drafter allocates the cache the layout asks for (2**40 positions: terabytes)
+    (lambda m: m["layout"].update(max_length=64), r"its layout has max_batch_size 2 and max_length 64, but step "
+                                                  r"'b2-r1-greedy-depth0' was exported for a cache of \[batch, "
+                                                  r"max_length \+ 1\] \[2, 193\]"),
+    (lambda m: m["layout"].update(max_length=2**40), "max_length 1099511627776, but step"),
+    (lambda m: m["layout"].update(max_batch_size=3), "its layout has max_batch_size 3 and max_length 192"),
 ])
 def test_a_damaged_manifest_is_a_clear_error(model, copied, edit, match):
     with pytest.raises(PackageError, match=match):
