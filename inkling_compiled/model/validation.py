@@ -103,7 +103,7 @@ def _check_cache(model: nn.Module, cache: MTPCache, batch: int) -> None:
 
 
 def _check_values(model, input_ids, inputs_embeds, positions, previous_hidden, padding, cache, note, drafting) -> None:
-    """Ids in the table; real rows at positions >= 0, inside the cache and consecutive per sequence, with finite
+    """Ids in the table; real rows at positions >= 0, consecutive per sequence and inside the cache, with finite
     inputs (and, drafting, at least one per sequence). Reduced on the device to a few numbers, one host sync."""
     if padding is None:
         padding = torch.zeros_like(positions, dtype=torch.bool)
@@ -116,9 +116,8 @@ def _check_values(model, input_ids, inputs_embeds, positions, previous_hidden, p
                  for name, x in (("previous_hidden", previous_hidden), ("inputs_embeds", inputs_embeds))
                  if x is not None}
     stats += [bad.sum() for bad in nonfinite.values()]
-    if cache is not None:  # the real rows, in column order, are at first, first + 1, ...
-        broken = real & (pos - first + 1 != real.cumsum(dim=1))
-        stats.append(broken.sum())
+    broken = real & (pos - first + 1 != real.cumsum(dim=1))  # the real rows, in column order, are first, first + 1..
+    stats.append(broken.sum())
     values = torch.stack(stats).tolist()  # the one host sync
     lo, hi, last_first = values.pop(0), values.pop(0), values.pop(0)
     if drafting and last_first == none:
@@ -137,15 +136,13 @@ def _check_values(model, input_ids, inputs_embeds, positions, previous_hidden, p
             b, t = bad.nonzero()[0].tolist()
             raise ArgumentError(f"{name} holds a NaN or inf at sequence {b}, row {t} (position "
                                 f"{int(positions[b, t])}): the inputs of real rows must be finite")
-    if cache is None:
-        return
-    if hi >= cache.max_length:
+    if cache is not None and hi >= cache.max_length:
         raise ArgumentError(f"position {hi} is past the cache capacity: max_length is {cache.max_length} "
                             f"(positions 0..{cache.max_length - 1}; {note})")
-    if values[-1]:
+    if values[-1]:  # the short convolutions read a sequence's rows as consecutive positions, cached or not
         row = int(broken.any(dim=1).nonzero()[0])
         raise ArgumentError(f"sequence {row}: positions {positions[row][real[row]].tolist()} are not consecutive; "
-                            f"with a cache the real rows of a sequence are consecutive positions ({note})")
+                            "the real rows of a sequence are consecutive positions" + (f" ({note})" if note else ""))
 
 
 def check_hidden(model: nn.Module, hidden) -> None:

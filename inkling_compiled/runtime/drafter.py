@@ -513,15 +513,25 @@ class Drafter:
             raise ArgumentError(f"inputs_embeds must be a {self.model.dtype} tensor on {self.model.device} shaped like "
                                 f"hidden {tuple(hidden.shape)}, got {got}")
         real = positions >= 0
-        none = torch.iinfo(torch.long).max
-        firsts, lasts = torch.stack([positions.masked_fill(~real, none).amin(dim=1),
-                                     positions.masked_fill(~real, -1).amax(dim=1)]).tolist()
+        none, k = torch.iinfo(torch.long).max, self.num_speculative_tokens
+        stats = [positions.masked_fill(~real, none).amin(dim=1), positions.masked_fill(~real, -1).amax(dim=1)]
+        if inputs_embeds is not None:  # [B]: real rows holding a NaN or inf
+            stats.append((real & ~inputs_embeds.isfinite().all(dim=-1)).sum(dim=1))
+        firsts, lasts, *nonfinite = torch.stack(stats).tolist()  # the second host sync
         for b, (first, written) in enumerate(zip(firsts, self._written)):
+            if nonfinite and nonfinite[0][b]:
+                raise ArgumentError(f"inputs_embeds holds a NaN or inf in a real row of sequence {b}: the inputs of "
+                                    "real rows must be finite")
             if written is not None and first > written:
                 held = f"positions 0..{written - 1}" if written else "no position"
                 raise ArgumentError(f"sequence {b}: its rows start at position {first}, but this Drafter holds {held} "
                                     f"of it: the rows of positions {written}..{first - 1} are missing (pass every row "
                                     "verified since the last call, or start a new sequence at position 0)")
+            if written is not None and k > 1 and 0 < first < written - 1:
+                raise ArgumentError(f"sequence {b}: its rows start at position {first}, but a K = {k} drafter re-runs "
+                                    f"the {k - 1} rows before a call's first row from the last {k} it was given, which "
+                                    f"end at position {written - 1}: start at {written - 1} or {written} (or at 0, a "
+                                    "new sequence)")
         return [last + 1 for last in lasts]
 
     def check_model_unchanged(self) -> None:
@@ -541,7 +551,10 @@ class Drafter:
                              "Drafter after quantizing the model")
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
-        """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took."""
+        """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took.
+
+        Each bucket runs on the inputs its last call left in its buffers, which rewrites cache and history slots of
+        the sequences in progress: they end here (a validated call refuses to continue one; start again at 0)."""
         batch_sizes = self.batch_buckets if batch_sizes is None else arguments.size_tuple("batch_sizes", batch_sizes)
         if batch_sizes and batch_sizes[-1] > self.max_batch_size:
             raise ArgumentError(f"batch_sizes must be at most the drafter's max_batch_size {self.max_batch_size}, "
@@ -552,6 +565,7 @@ class Drafter:
         for batch in batch_sizes:
             for rows in self.graph_rows:
                 self._execute(self._shape(batch, rows, temperature > 0))
+        self._written = [0] * self.max_batch_size  # each bucket re-ran its last inputs: every sequence starts over
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start

@@ -379,6 +379,17 @@ def test_right_padded_and_gapped_positions(kind, model, drafter, inputs):
         _run(kind, model, drafter, ids, torch.tensor([[0, 1, 2], [pad, 3, 2]]), hidden)
 
 
+def test_positions_without_a_cache_are_consecutive_too(model, inputs):
+    """The short convolutions read the rows as consecutive positions: repeated, reversed or gapped positions gave
+    other hidden states without an error when no cache was given."""
+    ids, _, hidden = inputs
+    for bad in ([[0, 0, 1], [0, 1, 2]], [[2, 1, 0], [0, 1, 2]], [[0, 1, 2], [0, 2, 3]]):
+        row = 0 if bad[0] != [0, 1, 2] else 1
+        with pytest.raises(ArgumentError, match=rf"sequence {row}: positions {re.escape(str(bad[row]))} are not "
+                                                r"consecutive; the real rows of a sequence are consecutive positions$"):
+            model(ids, torch.tensor(bad), hidden)
+
+
 def test_a_sequence_without_real_rows_has_nothing_to_draft_from(model, drafter, inputs):
     ids, positions, hidden = inputs
     positions = positions.clone()

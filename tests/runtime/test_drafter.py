@@ -121,6 +121,46 @@ def test_rows_that_skip_ahead_of_what_was_written_are_refused():
 
 
 @torch.no_grad()
+def test_a_k_depth_drafter_rewinds_one_row_at_most_and_capture_ends_the_sequences():
+    """K = 2 re-runs the row before a call's first row from the last two it was given: a call starting two rows
+    back re-ran a row it no longer held (wrong drafts, no error). ``capture`` re-runs each bucket's last inputs over
+    the state, so a sequence in progress cannot go on after it."""
+    model = random_mtp()
+    drafter = Drafter(model, max_batch_size=1, max_length=64, compile=False, num_speculative_tokens=2)
+    ids, positions, hidden = stream(1, 24)
+
+    def call(*columns):
+        index = torch.tensor(columns)
+        return drafter.draft(ids[:, index], positions[:, index], hidden[:, index])
+
+    call(*range(11))
+    with pytest.raises(ArgumentError, match=r"its rows start at position 8, but a K = 2 drafter re-runs the 1 rows "
+                                            r"before a call's first row from the last 2 it was given, which end at "
+                                            r"position 10: start at 10 or 11 \(or at 0, a new sequence\)"):
+        call(8, 9)
+    rewound = call(10, 11)  # one row back: the fresh drafter's drafts
+    fresh = Drafter(model, max_batch_size=1, max_length=64, compile=False, num_speculative_tokens=2)
+    fresh.draft(ids[:, :12], positions[:, :12], hidden[:, :12])
+    assert torch.equal(rewound.drafts, fresh.draft(ids[:, 11:12], positions[:, 11:12], hidden[:, 11:12]).drafts)
+    drafter.capture()
+    with pytest.raises(ArgumentError, match=r"its rows start at position 12, but this Drafter holds no position"):
+        call(12)
+    call(0, 1)
+
+
+def test_non_finite_inputs_embeds_in_real_rows_are_refused():
+    drafter = Drafter(random_mtp(), max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
+    ids, positions, hidden = stream(2, 4)
+    embeds = torch.zeros_like(hidden)
+    embeds[1, 2] = float("nan")
+    with pytest.raises(ArgumentError, match=r"inputs_embeds holds a NaN or inf in a real row of sequence 1"):
+        drafter.draft(ids, positions, hidden, inputs_embeds=embeds)
+    positions = positions.clone()
+    positions[1, 2:] = -1  # padding rows may hold anything
+    drafter.draft(ids, positions, hidden, inputs_embeds=embeds)
+
+
+@torch.no_grad()
 def test_batch_sizes_share_a_bucket_and_large_batches_fall_back():
     model = random_mtp()
     drafter = Drafter(model, max_batch_size=6, max_length=64, compile=False, batch_buckets=(1, 2, 4),
