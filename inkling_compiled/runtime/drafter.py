@@ -319,9 +319,13 @@ class Drafter:
         # per sequence, the positions 0..n-1 validated calls wrote (None: unknown after an unchecked call), so that a
         # call skipping ahead of them is refused rather than read the stale slots in between
         self._written: list[int | None] = [0] * self.max_batch_size
+        # K > 1, per sequence: the positions among the last K given as inputs_embeds rows (validated calls; None:
+        # unknown), so that a sequence can switch between token and inputs_embeds calls (:meth:`_with_history`)
+        self._given_rows: list[set[int] | None] = [set() for _ in range(self.max_batch_size)]
         k = self.num_speculative_tokens
         self.history = (CommittedRows(self.max_batch_size, k, model.config.hidden_size, model.dtype, model.device)
                         if k > 1 else None)
+        self._last_drafts = torch.zeros(self.max_batch_size, k, dtype=torch.long, device=model.device)  # validated
         buckets = arguments.size_tuple("batch_buckets", batch_buckets)
         if not buckets:
             raise ArgumentError(f"batch_buckets must name at least one batch size, got {batch_buckets!r}")
@@ -442,9 +446,12 @@ class Drafter:
 
         Row t of sequence b is (target hidden at ``positions[b, t]``, committed token at ``positions[b, t] + 1``);
         negative positions mark padding rows, which may sit anywhere (left or right padding); the real rows of a
-        sequence are consecutive positions. While decoding, pass the rows verified since the last call (the drafter
-        re-runs stale rows itself). ``validate`` checks every argument (:meth:`check`: two host syncs); callers that
-        validated at their own boundary pass ``validate=False``, and then nothing is checked at all.
+        sequence are consecutive positions. While decoding, pass the rows verified since the last call; the drafter
+        re-runs stale rows itself (docs/protocol.md §6.5): an unchecked call those the loop's contract leaves stale
+        (new rows led by the last call's accepted drafts), a validated one every row that read a draft, so a prompt
+        may come in chunks and token and ``inputs_embeds`` calls may alternate. ``validate`` checks every argument
+        (:meth:`check`: two host syncs, three for new rows past a sequence's first); callers that validated at their
+        own boundary pass ``validate=False``, and then nothing is checked at all.
 
         ``inputs_embeds`` [B, T, H] (multimodal prompts, docs/model.md §7): row t's input row in place of the
         embedding of ``input_ids[:, t]``, i.e. the target's merged row of position ``positions[b, t] + 1`` (already
@@ -452,14 +459,17 @@ class Drafter:
         tokens. Such calls run the compiled (or eager) steps without CUDA graphs, one graph per bucket whatever the
         prompt (a packaged drafter compiles them on first use).
         """
-        ends = None
+        spans, given_rows = None, inputs_embeds is not None
         if validate is not False:  # the loop's hot path passes False: anything else is checked, itself included
             arguments.check_bool("validate", validate)
-            ends = self._checked_ends(input_ids, positions, hidden, inputs_embeds)
+            spans = self._checked_spans(input_ids, positions, hidden, inputs_embeds)
             arguments.temperature(temperature)
             arguments.generator(generator, self.model.device)
+            if self.history is not None:
+                input_ids, positions, hidden, inputs_embeds = self._with_history(input_ids, positions, hidden,
+                                                                                 inputs_embeds, spans)
+        self._remember_spans(spans, given_rows)
         batch, rows = positions.shape
-        self._written = [None] * self.max_batch_size if ends is None else ends + self._written[batch:]
         shape = self._shape(batch, rows, temperature > 0)
         exact = batch == shape.batch and rows == shape.rows  # no padding: skip the slicing (it costs per call)
         for buffer, value in zip(shape.args(), (input_ids, positions, hidden)):  # inference state: no autograd history
@@ -468,15 +478,18 @@ class Drafter:
             shape.noise.exponential_(generator=generator)
             shape.inv_temperature.fill_(1.0 / temperature)
         if inputs_embeds is not None:
-            return self._draft_rows(shape, batch, rows, inputs_embeds)
-        outputs = self._execute(shape)
-        if shape.graph is not None:  # graph outputs live in the pool and are overwritten by the next replay
-            outputs = [t[:batch].clone() for t in outputs]
-        elif not exact:  # freshly allocated by the compiled step: views are safe to keep
-            outputs = [t[:batch] for t in outputs]
+            outputs = self._draft_rows(shape, batch, rows, inputs_embeds)
+        else:
+            outputs = self._execute(shape)
+            if shape.graph is not None:  # graph outputs live in the pool and are overwritten by the next replay
+                outputs = [t[:batch].clone() for t in outputs]
+            elif not exact:  # freshly allocated by the compiled step: views are safe to keep
+                outputs = [t[:batch] for t in outputs]
+        if spans is not None:  # what the next validated call's rows are checked against (:meth:`_with_history`)
+            self._last_drafts[:batch].copy_(outputs[0])
         return DraftResult(drafts=outputs[0], draft_probs=outputs[2] if shape.sampled else None, hidden=outputs[1])
 
-    def _draft_rows(self, shape: _BucketBuffers, batch: int, rows: int, inputs_embeds: torch.Tensor) -> DraftResult:
+    def _draft_rows(self, shape: _BucketBuffers, batch: int, rows: int, inputs_embeds: torch.Tensor) -> list:
         """A round over multimodal rows: the bucket's buffers plus its row buffer, through the compiled steps."""
         if shape.embeds is None:
             shape.embeds = torch.zeros_like(shape.hidden)
@@ -484,17 +497,16 @@ class Drafter:
         shape.embeds[:batch, -rows:].copy_(inputs_embeds.detach())
         with torch.no_grad(), self._first_call_config():
             outputs = self._compiled_round(*shape.args(), embeds=shape.embeds)
-        outputs = [t[:batch] for t in outputs]
-        return DraftResult(drafts=outputs[0], draft_probs=outputs[2] if shape.sampled else None, hidden=outputs[1])
+        return [t[:batch] for t in outputs]
 
     def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
               inputs_embeds: torch.Tensor | None = None) -> None:
         """ArgumentError naming the problem for a bad batch, shape, id, position or value, or for a sequence whose
         new rows start past the positions earlier validated calls wrote (two host syncs)."""
-        self._checked_ends(input_ids, positions, hidden, inputs_embeds)
+        self._checked_spans(input_ids, positions, hidden, inputs_embeds)
 
-    def _checked_ends(self, input_ids, positions, hidden, inputs_embeds) -> list[int]:
-        """:meth:`check`, then each sequence's last real position + 1 (what the call leaves written)."""
+    def _checked_spans(self, input_ids, positions, hidden, inputs_embeds) -> list[tuple[int, int]]:
+        """:meth:`check`, then each sequence's first and last real position."""
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
             got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
             raise ArgumentError(f"positions must be a [batch, rows] tensor, got {got}")
@@ -532,7 +544,63 @@ class Drafter:
                                     f"the {k - 1} rows before a call's first row from the last {k} it was given, which "
                                     f"end at position {written - 1}: start at {written - 1} or {written} (or at 0, a "
                                     "new sequence)")
-        return [last + 1 for last in lasts]
+        return list(zip(firsts, lasts))
+
+    def _with_history(self, input_ids, positions, hidden, inputs_embeds, spans: list[tuple[int, int]]):
+        """A validated K > 1 call, with each continuing sequence's K - 1 rows before its first prepended from the
+        history where the window alone would re-run too few. The window re-runs the rows the loop's contract leaves
+        stale: new rows led by the last call's accepted drafts. Other rows (a prompt in chunks, a rewind) left deeper
+        depths reading drafts. And the history holds row embeddings only where rows were given as ``inputs_embeds``
+        (a token round embeds its tokens inside its step): a call re-running given rows (tower rows, say) runs on its
+        tokens' embeddings as an ``inputs_embeds`` call, and before such a call the stored token rows get theirs."""
+        k, batch, input_ids = self.num_speculative_tokens, len(spans), input_ids.long()
+        given = [g or set() for g in self._given_rows[:batch]]
+        known = [written is not None and first > 0 for (first, _), written in zip(spans, self._written)]
+        rows_call, needs, leads = inputs_embeds is not None, [], []
+        for b, ((first, last), written) in enumerate(zip(spans, self._written)):
+            mixed = known[b] and any((p in given[b]) != rows_call for p in range(max(0, first - k + 1), first))
+            needs.append(known[b] and (first < written or mixed or last - first > k))
+            if known[b] and not needs[b] and last > first:
+                leads.append(b)
+        if leads and not any(needs):  # the contract: each lead's first rows carry the last call's drafts
+            offset = positions.long() - torch.tensor([first for first, _ in spans], device=positions.device)[:, None]
+            lead = (positions >= 0) & (offset < torch.tensor([last - first for _, last in spans],
+                                                             device=positions.device)[:, None])
+            drafted = self._last_drafts[:batch].gather(1, offset.clamp(0, k - 1))
+            broken = (lead & (input_ids != drafted)).any(dim=1).tolist()  # a host sync
+            needs = [broken[b] for b in leads]
+        if not any(needs):
+            return input_ids, positions, hidden, inputs_embeds
+        count = max(min(first, k - 1) if known[b] else 0 for b, (first, _) in enumerate(spans))
+        layout = [[p if known[b] and p >= max(0, first - (k - 1)) else -1 for p in range(first - count, first)]
+                  for b, (first, _) in enumerate(spans)]
+        before = torch.tensor(layout, device=positions.device)
+        seq, slot = torch.arange(batch, device=before.device)[:, None], before.clamp(min=0) % k  # slot: position mod K
+        if inputs_embeds is None and any(p in g for row, g in zip(layout, given) for p in row):
+            inputs_embeds = self.model.embed_tokens(input_ids).detach()
+        if inputs_embeds is not None:  # every stored row given as tokens, the ones the window adds too
+            text = [(b, p % k) for b, (g, written) in enumerate(zip(given, self._written[:batch])) if written
+                    for p in range(max(0, written - k), written) if p not in g]
+            if text:
+                b, j = torch.tensor(text, device=before.device).T
+                self.history.embeds[b, j] = self.model.embed_tokens(self.history.input_ids[b, j]).detach()
+            inputs_embeds = torch.cat([self.history.embeds[seq, slot], inputs_embeds], dim=1)
+        stored = (self.history.input_ids[seq, slot], before, self.history.hidden[seq, slot])
+        return (*(torch.cat([old, new], dim=1) for old, new in zip(stored, (input_ids, positions.long(), hidden))),
+                inputs_embeds)
+
+    def _remember_spans(self, spans: list[tuple[int, int]] | None, given_rows: bool) -> None:
+        """What a call leaves written per sequence (:attr:`_written`, :attr:`_given_rows`); an unchecked call's
+        positions are not known here: every sequence's become unknown."""
+        if spans is None:
+            self._written = [None] * self.max_batch_size
+            self._given_rows = [None] * self.max_batch_size
+            return
+        size = self.history.size if self.history is not None else 1
+        for b, (first, last) in enumerate(spans):
+            kept = {p for p in self._given_rows[b] or () if last - size < p < first}
+            self._given_rows[b] = kept | (set(range(max(first, last - size + 1), last + 1)) if given_rows else set())
+            self._written[b] = last + 1
 
     def check_model_unchanged(self) -> None:
         """ValueError when the model was converted (``.to``, ``.half``, ...) after this Drafter built its cache and
@@ -566,6 +634,7 @@ class Drafter:
             for rows in self.graph_rows:
                 self._execute(self._shape(batch, rows, temperature > 0))
         self._written = [0] * self.max_batch_size  # each bucket re-ran its last inputs: every sequence starts over
+        self._given_rows = [set() for _ in range(self.max_batch_size)]
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start

@@ -90,6 +90,46 @@ def test_every_depth_equals_a_full_recompute_after_any_number_of_rejections(mode
             assert_state_matches(drafter, result, model, committed, hidden[:, :start], k)
 
 
+def test_a_sequence_may_switch_between_token_and_row_calls(model):
+    """Validated calls, K = 4: token rows, then two given as ``inputs_embeds`` (tower rows, say), then tokens again.
+    A round re-runs the three rows before its first from the history, which held row embeddings only of rows given
+    as rows: the row call re-ran the token rows as zeros, and the token calls re-ran the tower rows as their ids'
+    embeddings (wrong drafts and cache, no error). Each call equals the recompute over the merged rows."""
+    k, gen = 4, torch.Generator().manual_seed(3)
+    tokens, hidden = committed_stream(13, batch=1)
+    merged = model.embed_tokens(tokens).detach().clone()  # row t of the stream reads merged row t + 1
+    merged[:, 9:11] = torch.randn(1, 2, H, generator=gen)
+    drafter = Drafter(model, max_batch_size=1, max_length=64, num_speculative_tokens=k, compile=False)
+    for start, stop, rows in ((0, 8, False), (8, 10, True), (10, 11, False), (11, 12, False), (12, 13, False)):
+        positions = torch.arange(start, stop)[None]
+        given = {"inputs_embeds": merged[:, start + 1:stop + 1]} if rows else {}
+        result = drafter.draft(tokens[:, start + 1:stop + 1], positions, hidden[:, start:stop], **given)
+        stream, previous, drafts = merged[:, 1:stop + 1], hidden[:, :stop], []
+        for depth in range(k):  # the recompute over the merged rows
+            previous = model(None, torch.arange(stop)[None], previous, depth=depth, inputs_embeds=stream)
+            drafts.append(model.get_top_tokens(previous[:, -1]))
+            stream = torch.cat([stream[:, 1:], model.embed_tokens(drafts[-1][:, None])], dim=1)
+        assert torch.equal(result.drafts, torch.stack(drafts, dim=1)), (start, stop)
+        torch.testing.assert_close(result.hidden, previous[:, -1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_a_prompt_given_in_chunks_equals_one_prefill(model, k):
+    """The window alone re-runs only the rows the loop's contract leaves stale (new rows led by the last call's
+    accepted drafts): a second chunk of prompt left the first chunk's last rows of deeper depths reading drafts. A
+    validated call re-runs the K - 1 rows before its first whatever they hold."""
+    tokens, hidden = committed_stream(24)
+    drafter = Drafter(model, max_batch_size=2, max_length=64, num_speculative_tokens=k, compile=False)
+    for start, stop in ((0, 6), (6, 12), (12, 14)):
+        positions = torch.arange(start, stop).expand(2, -1)
+        result = drafter.draft(tokens[:, start + 1:stop + 1], positions, hidden[:, start:stop])
+        assert_state_matches(drafter, result, model, tokens[:, :stop + 1], hidden[:, :stop], k)
+    before = set(drafter._shapes)
+    result, committed = verified_round(drafter, result, tokens, hidden, 14, min(2, k - 1))  # the contract: as is
+    assert all(rows <= k + 1 for _, rows, _ in set(drafter._shapes) - before)
+    assert_state_matches(drafter, result, model, committed, hidden[:, :14 + min(2, k - 1) + 1], k)
+
+
 def test_k1_reruns_nothing(model):
     drafter = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=1)
     assert drafter.history is None and drafter.bucket(2, 1) == (2, 1) and drafter.graph_rows == (1, 2)
@@ -250,7 +290,7 @@ def test_compiled_k8_matches_eager_without_recompiles_and_the_passes_fire(compil
 
     with torch._dynamo.config.patch(error_on_recompile=True):
         first = [feed(d, 0, prompt) for d in (compiled, eager)]  # a new sequence: a K-row window; then K + 1 rows
-        second = [feed(d, prompt, k + 1) for d in (compiled, eager)]
+        second = [feed(d, prompt, k + 1, validate=False) for d in (compiled, eager)]  # random rows: as the loop
         for a, b in (first, second):
             assert torch.equal(a.drafts, b.drafts)
         start = prompt + k + 1

@@ -41,7 +41,8 @@ def windows(k, rounds=ROUNDS):
 
 
 def decode(drafter, rows_per_round, temperature=0.0, seed=0, device="cpu"):
-    """Round after round from position 0 over one fixed stream of committed rows, positions moving by 1..K+1."""
+    """Round after round from position 0 over one fixed stream of committed rows, positions moving by 1..K+1
+    (random tokens rather than accepted drafts: unchecked, as the loop calls, so that no validated call widens)."""
     length = sum(rows_per_round)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (BATCH, length), generator=gen).to(device)
@@ -52,7 +53,7 @@ def decode(drafter, rows_per_round, temperature=0.0, seed=0, device="cpu"):
     for rows in rows_per_round:
         window = slice(start, start + rows)
         results.append(drafter.draft(ids[:, window], positions[:, window], hidden[:, window],
-                                     temperature=temperature, generator=sampler))
+                                     temperature=temperature, generator=sampler, validate=start == 0))
         start += rows
     return results
 
