@@ -148,6 +148,9 @@ def _mode_options(mode, given: bool) -> dict:
         raise ArgumentError(f"compile_options['mode'] {mode!r} turns on Inductor's CUDA graphs, which break chained "
                             f"depths (docs/compile.md §8): use the Drafter's own (cuda_graphs=True), and a mode "
                             f"without them")
+    if modes[mode].get("use_post_grad_passes") is False:  # 'lite': little but eager fallbacks, and none of our passes
+        raise ArgumentError(f"compile_options['mode'] {mode!r} turns off Inductor's post-grad passes, ours among them "
+                            "(docs/compile.md §1): use compile=False for the eager steps, or another mode")
     return dict(modes[mode])
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._inductor import list_mode_options
 
 from inkling_compiled import InklingMTP
 from inkling_compiled.arguments import ArgumentError
@@ -229,6 +230,8 @@ def test_padding_anywhere_drafts_from_each_sequences_last_real_row(compile):
      "compile_options: give 'mode' or 'options', not both"),
     (dict(compile_options={"mode": "reduce-overhead"}), r"'reduce-overhead' turns on Inductor's CUDA graphs, which "
      r"break chained depths \(docs/compile.md §8\): use the Drafter's own \(cuda_graphs=True\)"),
+    *[(dict(compile_options={"mode": mode}), rf"'{mode}' turns off Inductor's post-grad passes, ours among them")
+      for mode, options in list_mode_options().items() if options.get("use_post_grad_passes") is False],  # 'lite'
     (dict(compile_options={"dynamic": "x"}), r"compile_options\['dynamic'\] must be a bool or None, got 'x'"),
     (dict(compile_options={"fullgraph": 1}), r"compile_options\['fullgraph'\] must be a bool, got 1"),
     (dict(compile_options={"backend": "nope"}), r"compile_options\['backend'\] must be a callable or one of \[.*"
