@@ -277,7 +277,7 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
     progress(f"results go to {s.json_path} (rewritten after every section)")
     target = functools.cache(lambda: e2e.build_target(s))
     selected = [section for section in SECTIONS if _selected(s, section)]
-    ahead = [section.name for section in selected if hasattr(section.module, "prebuild") and s.runs(section.name)]
+    ahead = built_ahead(s, selected)
     # on CPU only (what it builds is CPU code), with the round cache on (tests turn it off), on a core left free
     second = Prebuild(ahead, given) if ahead and s.device == "cpu" and round_cache.cache_root() is not None and \
         (os.cpu_count() or 1) > s.threads else None
@@ -299,6 +299,13 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
         progress(f"appended an entry to {s.record}")
     print(plots.report_line(result, s.json_path), flush=True)
     return result
+
+
+def built_ahead(s: Settings, selected: list[Section]) -> list[str]:
+    """The sections whose one-time builds a second process does ahead: those with a ``prebuild`` after the first
+    section to run, which builds for itself (ahead of it, a second process would only make it wait)."""
+    running = [section for section in selected if s.runs(section.name)]
+    return [section.name for section in running[1:] if hasattr(section.module, "prebuild")]
 
 
 def _selected(s: Settings, section: Section) -> bool:

@@ -120,6 +120,17 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     assert run.parse_args(["--batch-sizes", "4,1,4"]).batch_sizes == (4, 1)  # a repeat was measured twice
 
 
+@pytest.mark.parametrize("argv, ahead", [
+    ([], ["e2e", "startup"]),
+    (["--only", "startup"], []),  # the first section builds for itself: a second process would only be waited for
+    (["--only", "e2e,startup"], ["startup"]),
+    (["--full", "--only", "startup"], []),
+])
+def test_a_second_process_builds_only_for_sections_after_the_first(argv, ahead):
+    s = run.parse_args(argv)
+    assert run.built_ahead(s, [section for section in run.SECTIONS if run._selected(s, section)]) == ahead
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--skip", "compiel"], "--skip: unknown name(s) ['compiel']"),
     (["--only", "kernels"], "--only: unknown name(s) ['kernels']"),
