@@ -233,7 +233,7 @@ def test_num_depths_out_of_range(sharded):
     with pytest.raises(CheckpointError, match=r"num_depths=3 but the checkpoint has 2 MTP depth\(s\)"):
         InklingMTP.from_pretrained(sharded, num_depths=3)
     for n in (0, -1):  # no depth at all is no count the checkpoint could hold
-        with pytest.raises(ArgumentError, match=rf"^num_depths must be an int >= 1, got {n}$"):
+        with pytest.raises(ArgumentError, match=rf"^num_depths must be an int >= 1, got {n} \(or None: every depth\)$"):
             InklingMTP.from_pretrained(sharded, num_depths=n)
 
 
@@ -820,7 +820,8 @@ def test_quantize_head_is_checked_without_quantize(sharded):
 @pytest.mark.parametrize("num_depths, message", [(True, "True"), (1.5, "1.5"), ("2", "'2'"),
                                                   (torch.tensor([1.5]), r"tensor\(\[1\.5000\]\)")])
 def test_num_depths_type(sharded, num_depths, message):
-    with pytest.raises(ArgumentError, match=rf"^num_depths must be an int >= 1, got {message}$"):
+    every = r" \(or None: every depth\)$"
+    with pytest.raises(ArgumentError, match=rf"^num_depths must be an int >= 1, got {message}" + every):
         InklingMTP.from_pretrained(sharded, num_depths=num_depths)
 
 

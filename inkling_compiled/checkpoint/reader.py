@@ -51,7 +51,10 @@ def _check_num_depths(num_depths, stored: int) -> int | None:
     """``num_depths`` as an int (None: every depth); more than the checkpoint stores is a CheckpointError."""
     if num_depths is None:
         return None
-    num_depths = arguments.integer("num_depths", num_depths, minimum=1)
+    try:
+        num_depths = arguments.integer("num_depths", num_depths, minimum=1)
+    except arguments.ArgumentError as e:
+        raise arguments.ArgumentError(f"{e} (or None: every depth)") from None
     if num_depths > stored:
         raise CheckpointError(f"num_depths={num_depths} but the checkpoint has {stored} MTP depth(s)")
     return num_depths

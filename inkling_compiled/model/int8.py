@@ -55,10 +55,10 @@ def check_scheme(scheme) -> None:
         raise ArgumentError(f"quantize must be a scheme name {list(SCHEMES)}, a torchao config instance, or None, got "
                             f"{type(scheme).__name__} {scheme!r}")
     if scheme in NO_KERNEL:
-        raise ArgumentError(f"quantization scheme {scheme!r} is not offered: {NO_KERNEL[scheme]}; use 'int8'")
+        raise ArgumentError(f"quantize: the scheme {scheme!r} is not offered: {NO_KERNEL[scheme]}; use 'int8'")
     if scheme not in SCHEMES:
-        raise ArgumentError(f"unknown quantization scheme {scheme!r}: choose from {list(SCHEMES)} or pass a torchao "
-                            f"config instance ({torchao_schemes.INSTALL_HINT})")
+        raise ArgumentError(f"quantize: unknown quantization scheme {scheme!r}: choose from {list(SCHEMES)} or pass a "
+                            f"torchao config instance ({torchao_schemes.INSTALL_HINT})")
 
 
 def check_runs_int8(device: torch.device, dtype: torch.dtype, error: type[ValueError] = ArgumentError) -> None:

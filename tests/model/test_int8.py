@@ -179,8 +179,8 @@ def test_a_quantized_model_is_not_saved(tmp_path):
 
 @pytest.mark.parametrize(("scheme", "error", "message"), [
     (8, TypeError, r"quantize must be a scheme name \['int8'\], a torchao config instance, or None, got int 8"),
-    ("int4", ValueError, r"unknown quantization scheme 'int4': choose from \['int8'\] or pass a torchao config"),
-    ("float8", ValueError, r"scheme 'float8' is not offered: float8 weight-only has no GEMM kernel"),
+    ("int4", ValueError, r"^quantize: unknown quantization scheme 'int4': choose from \['int8'\] or pass a torchao"),
+    ("float8", ValueError, r"^quantize: the scheme 'float8' is not offered: float8 weight-only has no GEMM kernel"),
 ])
 def test_bad_schemes(scheme, error, message, checkpoint):
     with pytest.raises(error, match=message):
