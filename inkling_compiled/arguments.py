@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -75,6 +76,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def refused(prog: str, error: BaseException) -> int:
+    """A command's answer when the library refuses what it was given: the error's first line, exit status 2."""
+    print(f"{prog}: error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
+    return 2
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself or its nearest existing parent ("/" at least)."""
+    return next(p for p in (path, *path.absolute().parents) if p.exists())
+
+
 def positive_int_option(value: str) -> int:
     """An argparse type: an int >= 1 (argparse prints "argument --NAME: " before the message)."""
     try:
@@ -98,7 +110,7 @@ def writable_directory_option(value: str) -> Path:
     try:
         if directory.is_symlink() and not directory.exists():
             raise argparse.ArgumentTypeError(f"{value!r} is a link to nothing")
-        existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
+        existing = nearest_existing(directory)
         if not existing.is_dir():
             raise argparse.ArgumentTypeError(f"{value!r} is not a directory" if existing == directory else
                                              f"{value!r} cannot be a directory: {str(existing)!r} is not one")

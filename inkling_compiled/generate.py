@@ -237,9 +237,7 @@ def generate(args, mesh) -> int:
         path, target, drafter = build(args, mesh)
     except (ValueError, TypeError, OSError, MemoryError, SafetensorError) as e:  # the library's refusals (a cache
         # too large for --batch / --prompt-len / --max-new-tokens included), unreadable or damaged files: one line
-        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"{PROG}: error: {first_line}", file=sys.stderr)
-        return 2
+        return arguments.refused(PROG, e)
     ids, mask = make_prompts(args, logits_vocab_size(target.config.get_text_config()))
     ids, mask, media = add_media(args, target, ids, mask)
     eos = None if args.ignore_eos else target.generation_config.eos_token_id

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import passes
+from .. import arguments, passes
 from ..arguments import ArgumentError
 from ..atomic_files import build_directory_atomically
 from ..model.cache import DepthCache
@@ -275,7 +275,7 @@ def save(directory, steps: Mapping[str, tuple[Callable, Sequence[torch.Tensor], 
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise PackageError(f"{directory} already exists: packages are not overwritten; remove it or choose another "
                            "directory")
-    nearest = next(parent for parent in directory.absolute().parents if parent.exists())  # "/" at least
+    nearest = arguments.nearest_existing(directory.absolute().parent)
     if not nearest.is_dir():
         raise ArgumentError(f"directory {str(directory)!r} cannot be created: {str(nearest)!r} on its path is a file")
 

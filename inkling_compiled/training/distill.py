@@ -430,8 +430,7 @@ def main(argv=None) -> int:
             _check_out_dir(args.out, checkpoint, "--out")
         out = distill(checkpoint, args.out, force=args.force, **params)
     except (ArgumentError, ConfigError, CheckpointError, OSError, SafetensorError) as e:  # not a bug's ValueError
-        print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return arguments.refused(PROG, e)
     metrics = load_metrics(out)
     print(json.dumps({"out_dir": str(out), "agreement_before": metrics["agreement_before"],
                       "agreement_after": metrics["agreement_after"], "loss_first": metrics["loss_first"],
