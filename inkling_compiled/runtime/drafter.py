@@ -274,6 +274,10 @@ class _BucketBuffers:
         return base + (self.noise, self.inv_temperature) if self.sampled else base
 
 
+def _weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+
+
 def _check_model(model) -> None:
     if not isinstance(model, InklingMTP):
         raise ArgumentError(f"model must be an InklingMTP, got {type(model).__name__}")
@@ -315,6 +319,7 @@ class Drafter:
         arguments.check_bool("cached_rounds", cached_rounds, optional=True)
         self.model = model
         self._quantization = model.quantization  # what the compiled and packaged steps are built for
+        self._weights = _weight_addresses(model)  # ... and the tensors packaged rounds read (by address)
         self.num_speculative_tokens = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
         self.max_batch_size = arguments.positive_int("max_batch_size", max_batch_size)
         self.max_length = arguments.positive_int("max_length", max_length)
@@ -608,18 +613,24 @@ class Drafter:
     def check_model_unchanged(self) -> None:
         """ValueError when the model was converted (``.to``, ``.half``, ...) after this Drafter built its cache and
         buffers for it: they would meet the new dtype or device inside the first kernel. Also when it was quantized
-        (``quantize_``) since, unless the Drafter is eager with nothing packaged: packaged rounds and captured graphs
-        would keep reading the replaced weights, and the compile options were chosen for the old ones."""
+        (``quantize_``) or its parameters replaced since, unless the Drafter is eager with nothing packaged: packaged
+        rounds and captured graphs would keep reading the replaced weights, and the compile options were chosen for
+        the old ones."""
         cache = self.cache.depths[0].k
         if (cache.dtype, cache.device) != (self.model.dtype, self.model.device):
             raise ValueError(f"the model is now {self.model.dtype} on {self.model.device}, but this Drafter was built "
                              f"for it as {cache.dtype} on {cache.device}: build a new Drafter after moving the model")
-        if self.model.quantization is not self._quantization and (self._compile_options is not None or self._packaged):
+        follows_the_model = self._compile_options is None and not self._packaged  # eager, nothing packaged
+        if self.model.quantization is not self._quantization and not follows_the_model:
             now, then = ("none" if q is None else f"{q.scheme} head={q.head}"
                          for q in (self.model.quantization, self._quantization))
             raise ValueError(f"the model's quantization is now {now}, but this Drafter was built for it with {then}: "
                              "its compiled or packaged steps were made for the weights it had then; build a new "
                              "Drafter after quantizing the model")
+        if _weight_addresses(self.model) != self._weights and not follows_the_model:
+            raise ValueError("the model's parameters were replaced (load_state_dict(assign=True), say) after this "
+                             "Drafter was built: its compiled or packaged steps read the tensors it had then; build a "
+                             "new Drafter (an in-place update, load_state_dict's default, is seen)")
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took.

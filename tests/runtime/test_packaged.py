@@ -315,6 +315,22 @@ def test_a_packaged_drafter_refuses_to_draft_once_the_model_is_quantized(tmp_pat
                      torch.zeros(1, 1, H, dtype=torch.bfloat16))
 
 
+@torch.no_grad()
+def test_a_packaged_drafter_refuses_a_model_whose_parameters_were_replaced(packages):
+    """load_state_dict(assign=True) swaps the Parameters, which the packaged round reads by address: it kept drafting
+    with the old ones. An in-place load (the default) is seen, and is not refused."""
+    model = tiny_mtp()
+    loaded = Drafter.load_compiled(packages[1], model, compile=False)
+    rows = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, H))
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    model.load_state_dict(state)
+    loaded.draft(*rows)
+    model.load_state_dict(state, assign=True)
+    with pytest.raises(ValueError, match=r"the model's parameters were replaced \(load_state_dict\(assign=True\), "
+                                         r"say\) after this Drafter was built"):
+        loaded.draft(*rows)
+
+
 def test_save_under_a_file_is_an_argument_error_and_a_failed_write_a_package_error(eager, tmp_path, monkeypatch):
     """They were a FileExistsError naming the file in the way, and an OSError naming the temporary directory."""
     (tmp_path / "file").write_text("")
