@@ -476,7 +476,7 @@ class Drafter:
             if self.history is not None:
                 input_ids, positions, hidden, inputs_embeds = self._with_history(input_ids, positions, hidden,
                                                                                  inputs_embeds, spans)
-        self._remember_spans(spans, given_rows)
+        self._remember_spans(spans, given_rows, positions.shape[0])
         batch, rows = positions.shape
         shape = self._shape(batch, rows, temperature > 0)
         exact = batch == shape.batch and rows == shape.rows  # no padding: skip the slicing (it costs per call)
@@ -564,10 +564,14 @@ class Drafter:
         k, batch, input_ids = self.num_speculative_tokens, len(spans), input_ids.long()
         given = [g or set() for g in self._given_rows[:batch]]
         known = [written is not None and first > 0 for (first, _), written in zip(spans, self._written)]
+        # the stored rows before each first, any of which may be re-run (the window fills its bucket with them)
+        stored = [range(max(0, written - k), first) if known[b] else range(0)
+                  for b, ((first, _), written) in enumerate(zip(spans, self._written))]
         rows_call, needs, leads = inputs_embeds is not None, [], []
         for b, ((first, last), written) in enumerate(zip(spans, self._written)):
-            mixed = known[b] and any((p in given[b]) != rows_call for p in range(max(0, first - k + 1), first))
-            needs.append(known[b] and (first < written or mixed or last - first > k))
+            mixed = any((p in given[b]) != rows_call for p in stored[b])
+            # a row call's lead rows would have to be the drafts' embeddings: checked by re-running them instead
+            needs.append(known[b] and (first < written or mixed or last - first > k or rows_call and last > first))
             if known[b] and not needs[b] and last > first:
                 leads.append(b)
         if leads and not any(needs):  # the contract: each lead's first rows carry the last call's drafts
@@ -584,7 +588,7 @@ class Drafter:
                   for b, (first, _) in enumerate(spans)]
         before = torch.tensor(layout, device=positions.device)
         seq, slot = torch.arange(batch, device=before.device)[:, None], before.clamp(min=0) % k  # slot: position mod K
-        if inputs_embeds is None and any(p in g for row, g in zip(layout, given) for p in row):
+        if inputs_embeds is None and any(p in g for rows, g in zip(stored, given) for p in rows):
             inputs_embeds = self.model.embed_tokens(input_ids).detach()
         if inputs_embeds is not None:  # every stored row given as tokens, the ones the window adds too
             text = [(b, p % k) for b, (g, written) in enumerate(zip(given, self._written[:batch])) if written
@@ -597,12 +601,12 @@ class Drafter:
         return (*(torch.cat([old, new], dim=1) for old, new in zip(stored, (input_ids, positions.long(), hidden))),
                 inputs_embeds)
 
-    def _remember_spans(self, spans: list[tuple[int, int]] | None, given_rows: bool) -> None:
-        """What a call leaves written per sequence (:attr:`_written`, :attr:`_given_rows`); an unchecked call's
-        positions are not known here: every sequence's become unknown."""
+    def _remember_spans(self, spans: list[tuple[int, int]] | None, given_rows: bool, batch: int) -> None:
+        """What a call of ``batch`` sequences leaves written per sequence (:attr:`_written`, :attr:`_given_rows`); an
+        unchecked call's positions are not known here: its sequences' become unknown."""
         if spans is None:
-            self._written = [None] * self.max_batch_size
-            self._given_rows = [None] * self.max_batch_size
+            self._written[:batch] = [None] * batch
+            self._given_rows[:batch] = [None] * batch
             return
         size = self.history.size if self.history is not None else 1
         for b, (first, last) in enumerate(spans):
@@ -636,7 +640,8 @@ class Drafter:
         """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took.
 
         Each bucket runs on the inputs its last call left in its buffers, which rewrites cache and history slots of
-        the sequences in progress: they end here (a validated call refuses to continue one; start again at 0)."""
+        the sequences in progress in those buckets: they end here (a validated call refuses to continue one; start
+        again at 0)."""
         batch_sizes = self.batch_buckets if batch_sizes is None else arguments.size_tuple("batch_sizes", batch_sizes)
         if batch_sizes and batch_sizes[-1] > self.max_batch_size:
             raise ArgumentError(f"batch_sizes must be at most the drafter's max_batch_size {self.max_batch_size}, "
@@ -647,8 +652,9 @@ class Drafter:
         for batch in batch_sizes:
             for rows in self.graph_rows:
                 self._execute(self._shape(batch, rows, temperature > 0))
-        self._written = [0] * self.max_batch_size  # each bucket re-ran its last inputs: every sequence starts over
-        self._given_rows = [set() for _ in range(self.max_batch_size)]
+        touched = max((self.bucket(batch, 1)[0] for batch in batch_sizes), default=0)
+        self._written[:touched] = [0] * touched  # each bucket re-ran its last inputs: its sequences start over
+        self._given_rows[:touched] = [set() for _ in range(touched)]
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start

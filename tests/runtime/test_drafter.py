@@ -115,10 +115,16 @@ def test_rows_that_skip_ahead_of_what_was_written_are_refused():
     call(0, 1)  # a new sequence
     call(20, validate=False)
     call(21)
-    padded = torch.tensor([[22, 23], [-1, 9]])  # row 1 holds 0..21 and goes back to 9; row 0 skips nothing
+    first = (ids[:1, :2], positions[:1, :2], hidden[:1, :2])
+    drafter.draft(*first, validate=False)  # forgets what sequence 0 holds, not sequence 1
+    with pytest.raises(ArgumentError, match=r"sequence 1: its rows start at position 23, but this Drafter holds "
+                                            r"positions 0\.\.21"):
+        call(23)
+    call(22)
+    padded = torch.tensor([[23, 24], [-1, 9]])  # row 1 holds 0..22 and goes back to 9; row 0 skips nothing
     drafter.draft(ids[:, :2], padded, hidden[:, :2])
     with pytest.raises(ArgumentError, match=r"sequence 1: its rows start at position 11"):
-        drafter.draft(ids[:, :2], torch.tensor([[24, 25], [11, -1]]), hidden[:, :2])
+        drafter.draft(ids[:, :2], torch.tensor([[25, 26], [11, -1]]), hidden[:, :2])
 
 
 @torch.no_grad()
@@ -147,6 +153,13 @@ def test_a_k_depth_drafter_rewinds_one_row_at_most_and_capture_ends_the_sequence
     with pytest.raises(ArgumentError, match=r"its rows start at position 12, but this Drafter holds no position"):
         call(12)
     call(0, 1)
+    two = Drafter(model, max_batch_size=2, max_length=64, compile=False, num_speculative_tokens=2,
+                  batch_buckets=(1, 2))
+    two.draft(*stream(2, 6))
+    two.capture(batch_sizes=(1,))  # the batch-1 bucket re-ran: sequence 0 starts over, sequence 1 goes on
+    ids, positions, hidden = stream(2, 8)
+    restart, go_on = torch.tensor([[0], [6]]), torch.tensor([[0], [1]])
+    two.draft(ids.gather(1, restart), positions.gather(1, restart), hidden[go_on, restart])
 
 
 def test_non_finite_inputs_embeds_in_real_rows_are_refused():

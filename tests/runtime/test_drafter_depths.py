@@ -90,7 +90,13 @@ def test_every_depth_equals_a_full_recompute_after_any_number_of_rejections(mode
             assert_state_matches(drafter, result, model, committed, hidden[:, :start], k)
 
 
-def test_a_sequence_may_switch_between_token_and_row_calls(model):
+@pytest.mark.parametrize("towers, calls", [
+    ((9, 11), ((0, 8, False), (8, 10, True), (10, 11, False), (11, 12, False), (12, 13, False))),
+    # a 3-row chunk pads to an 8-row bucket, which the window fills with one more stored row: a tower row
+    ((5, 6), ((0, 5, True), (5, 8, False), (8, 11, False))),
+    ((7, 9), ((0, 6, True), (6, 8, True), (8, 9, False))),  # a row chunk: never taken for accepted drafts
+])
+def test_a_sequence_may_switch_between_token_and_row_calls(model, towers, calls):
     """Validated calls, K = 4: token rows, then two given as ``inputs_embeds`` (tower rows, say), then tokens again.
     A round re-runs the three rows before its first from the history, which held row embeddings only of rows given
     as rows: the row call re-ran the token rows as zeros, and the token calls re-ran the tower rows as their ids'
@@ -98,9 +104,12 @@ def test_a_sequence_may_switch_between_token_and_row_calls(model):
     k, gen = 4, torch.Generator().manual_seed(3)
     tokens, hidden = committed_stream(13, batch=1)
     merged = model.embed_tokens(tokens).detach().clone()  # row t of the stream reads merged row t + 1
-    merged[:, 9:11] = torch.randn(1, 2, H, generator=gen)
+    merged[:, slice(*towers)] = torch.randn(1, towers[1] - towers[0], H, generator=gen)
     drafter = Drafter(model, max_batch_size=1, max_length=64, num_speculative_tokens=k, compile=False)
-    for start, stop, rows in ((0, 8, False), (8, 10, True), (10, 11, False), (11, 12, False), (12, 13, False)):
+    result = None
+    for start, stop, rows in calls:
+        if rows and start:  # the lead row's id is the last draft, its row a tower row: not an accepted draft
+            tokens[:, start + 1] = result.drafts[:, 0]
         positions = torch.arange(start, stop)[None]
         given = {"inputs_embeds": merged[:, start + 1:stop + 1]} if rows else {}
         result = drafter.draft(tokens[:, start + 1:stop + 1], positions, hidden[:, start:stop], **given)
