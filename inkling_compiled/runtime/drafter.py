@@ -333,7 +333,8 @@ class Drafter:
         k = self.num_speculative_tokens
         self.history = (CommittedRows(self.max_batch_size, k, model.config.hidden_size, model.dtype, model.device)
                         if k > 1 else None)
-        self._last_drafts = torch.zeros(self.max_batch_size, k, dtype=torch.long, device=model.device)  # validated
+        self._last_drafts = (torch.zeros(self.max_batch_size, k, dtype=torch.long, device=model.device)  # validated
+                             if k > 1 else None)
         buckets = arguments.size_tuple("batch_buckets", batch_buckets)
         if not buckets:
             raise ArgumentError(f"batch_buckets must name at least one batch size, got {batch_buckets!r}")
@@ -493,7 +494,7 @@ class Drafter:
                 outputs = [t[:batch].clone() for t in outputs]
             elif not exact:  # freshly allocated by the compiled step: views are safe to keep
                 outputs = [t[:batch] for t in outputs]
-        if spans is not None:  # what the next validated call's rows are checked against (:meth:`_with_history`)
+        if spans is not None and self.history is not None:  # what the next validated call's rows are checked against
             self._last_drafts[:batch].copy_(outputs[0])
         return DraftResult(drafts=outputs[0], draft_probs=outputs[2] if shape.sampled else None, hidden=outputs[1])
 
@@ -574,14 +575,15 @@ class Drafter:
             needs.append(known[b] and (first < written or mixed or last - first > k or rows_call and last > first))
             if known[b] and not needs[b] and last > first:
                 leads.append(b)
-        if leads and not any(needs):  # the contract: each lead's first rows carry the last call's drafts
+        redo = any(needs)
+        if leads and not redo:  # the contract: each lead's first rows carry the last call's drafts
             offset = positions.long() - torch.tensor([first for first, _ in spans], device=positions.device)[:, None]
             lead = (positions >= 0) & (offset < torch.tensor([last - first for _, last in spans],
                                                              device=positions.device)[:, None])
             drafted = self._last_drafts[:batch].gather(1, offset.clamp(0, k - 1))
             broken = (lead & (input_ids != drafted)).any(dim=1).tolist()  # a host sync
-            needs = [broken[b] for b in leads]
-        if not any(needs):
+            redo = any(broken[b] for b in leads)
+        if not redo:
             return input_ids, positions, hidden, inputs_embeds
         count = max(min(first, k - 1) if known[b] else 0 for b, (first, _) in enumerate(spans))
         layout = [[p if known[b] and p >= max(0, first - (k - 1)) else -1 for p in range(first - count, first)]
