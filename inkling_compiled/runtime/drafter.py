@@ -599,8 +599,8 @@ class Drafter:
                 b, j = torch.tensor(text, device=before.device).T
                 self.history.embeds[b, j] = self.model.embed_tokens(self.history.input_ids[b, j]).detach()
             inputs_embeds = torch.cat([self.history.embeds[seq, slot], inputs_embeds], dim=1)
-        stored = (self.history.input_ids[seq, slot], before, self.history.hidden[seq, slot])
-        return (*(torch.cat([old, new], dim=1) for old, new in zip(stored, (input_ids, positions.long(), hidden))),
+        prepended = (self.history.input_ids[seq, slot], before, self.history.hidden[seq, slot])
+        return (*(torch.cat([old, new], dim=1) for old, new in zip(prepended, (input_ids, positions.long(), hidden))),
                 inputs_embeds)
 
     def _remember_spans(self, spans: list[tuple[int, int]] | None, given_rows: bool, batch: int) -> None:
