@@ -102,14 +102,18 @@ class InklingMTP(nn.Module):
             int8.check_scheme(quantize)
             if dtype is None and target is None:
                 dtype = int8.ACTIVATION_DTYPE
-        checkpoint = open_checkpoint(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
-        with torch.device("meta"):
-            model = cls(checkpoint.config, parallel)
-        shards = parallel.shards(checkpoint.config) if parallel is not None else {}
-        shapes = {name: shards[name].full_shape(p.shape) if name in shards else p.shape
-                  for name, p in model.named_parameters(remove_duplicate=False)}
-        own, lent = checkpoint.read_state(shapes, dtype=dtype, device=device, target=target, progress=progress,
-                                          shards=shards)
+
+        def read():
+            checkpoint = open_checkpoint(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
+            with torch.device("meta"):
+                model = cls(checkpoint.config, parallel)
+            shards = parallel.shards(checkpoint.config) if parallel is not None else {}
+            shapes = {name: shards[name].full_shape(p.shape) if name in shards else p.shape
+                      for name, p in model.named_parameters(remove_duplicate=False)}
+            return checkpoint, model, shards, *checkpoint.read_state(shapes, dtype=dtype, device=device, target=target,
+                                                                     progress=progress, shards=shards)
+
+        checkpoint, model, shards, own, lent = read() if parallel is None else parallel.agreed_load(read)
         if parallel is not None and "lm_head_weight" in lent:  # this rank's rows of the target's head: no copy
             lent["lm_head_weight"] = nn.Parameter(parallel.head_rows(lent["lm_head_weight"], checkpoint.config),
                                                   requires_grad=False)

@@ -19,7 +19,10 @@ Norms, ``input_proj``, the branch convs, the relative-bias table, the chain norm
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -48,6 +51,34 @@ _ROW_PARALLEL = ("attn.wo_ud", "mlp.w2_md")  # under each depth's transformer_bl
 # InklingForCausalLM the embedding's key is "model.embed_tokens".
 TARGET_TP_PLAN = {"model.language_model.embed_tokens": "replicate", "lm_head": "colwise_rep"}
 
+Result = TypeVar("Result")
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype's bits as an integer of its size
+CHECKSUM = "contents of "  # the prefix of the fields :meth:`TensorParallel.agree` compares without printing them
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 tensor on ``t``'s device: an exact, order-sensitive checksum of ``t``'s bits (every element's bits
+    as an integer, weighted by its index modulo a prime). Integer sums are exact in any order, so every rank holding
+    the same values gets the same number, whatever its threads or kernels; computed in chunks so that a large table
+    costs no full-size int64 copy."""
+    flat = t.detach().reshape(-1)
+    flat = flat.view(_BITS[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), 1 << 22):
+        chunk = flat[start:start + (1 << 22)].long()
+        weights = torch.arange(start, start + chunk.numel(), device=flat.device) % 65521 + 1
+        total += (chunk * weights).sum()
+    return total
+
+
+def loaded_digest(config: MTPConfig, own: Mapping[str, torch.Tensor], lent: Mapping[str, torch.Tensor]) -> int:
+    """What a rank loaded, as a 56-bit digest: the config (after ``num_depths`` / ``mtp_log_scaling``), each tensor's
+    name, dtype, shape and device type, and which ones the target lent."""
+    tensors = sorted((name, str(t.dtype), tuple(t.shape), t.device.type, name in lent)
+                     for name, t in {**own, **lent}.items())
+    text = repr((config, tensors))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -60,6 +91,7 @@ class TensorParallel:
     group_name: str
     rank: int
     world_size: int
+    device_type: str = "cpu"  # the mesh's: where a tensor handed to its collectives lives (gloo: cpu, NCCL: cuda)
 
     @classmethod
     def from_mesh(cls, mesh) -> TensorParallel:
@@ -73,7 +105,7 @@ class TensorParallel:
         if mesh.get_coordinate() is None:
             raise ArgumentError(f"this process (rank {torch.distributed.get_rank()}) is not in device_mesh "
                                 f"{mesh.mesh.tolist()}")
-        return cls(mesh.get_group().group_name, mesh.get_local_rank(), mesh.size())
+        return cls(mesh.get_group().group_name, mesh.get_local_rank(), mesh.size(), mesh.device_type)
 
     # -- the plan ------------------------------------------------------------------------------------------------
 
@@ -142,6 +174,62 @@ class TensorParallel:
                                 f"{self.world_size} ranks: load the target with DistributedConfig(tp_size="
                                 f"{self.world_size}, tp_plan=TARGET_TP_PLAN) (inkling_compiled.model.tensor_parallel)")
         return head.detach().to_local()
+
+    # -- agreement ---------------------------------------------------------------------------------------------------
+
+    def agree(self, what: str, fields: Sequence[str], run: Callable[[], tuple[Result, Mapping[str, object]]],
+              fix: str) -> Result:
+        """``run()``'s result once every rank has run it without an error and got the same ``fields``; else an
+        error on every rank.
+
+        Ranks that load or take different things compute garbage together without a word (their partial sums add
+        up all the same), and a rank that refuses its input leaves the others waiting in the next collective; so
+        each rank's outcome and ``fields`` (ints, or 0-d integer tensors such as :func:`checksum`) travel in one
+        exchange. A failed rank raises its own error, the others an ArgumentError naming it; a difference raises
+        an ArgumentError naming each field that differs (its values per rank, except the ``CHECKSUM`` ones) and
+        ``fix``.
+        """
+        device = torch.device(self.device_type)  # cuda: this rank's current device, as NCCL wants
+        try:
+            result, values = run()
+            row = torch.stack([torch.as_tensor(values[name], dtype=torch.int64, device=device).reshape(())
+                               for name in fields]) if fields else torch.zeros(0, dtype=torch.int64, device=device)
+            failed = None
+        except Exception as error:  # noqa: BLE001 - raised below, after the exchange the other ranks wait in
+            result, failed, row = None, error, torch.zeros(len(fields), dtype=torch.int64, device=device)
+        flag = torch.tensor([failed is not None], dtype=torch.int64, device=device)
+        gathered = self.all_gather(torch.cat([flag, row])).tolist()  # [world, 1 + fields]
+        if failed is not None:
+            raise failed
+        refused = [rank for rank, (bad, *_) in enumerate(gathered) if bad]
+        if refused:
+            raise ArgumentError(f"{what}: rank(s) {refused} of the tensor-parallel group refused theirs (their own "
+                                f"error says why); every rank stops here rather than wait for them")
+        differ = [(name, [r[1 + i] for r in gathered]) for i, name in enumerate(fields)
+                  if len({r[1 + i] for r in gathered}) > 1]
+        if differ:
+            described = [name if name.startswith(CHECKSUM) else
+                         f"{name} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
+                         for name, values in differ]
+            shown = "; ".join(described[:4]) + (f" and {len(described) - 4} more" if len(described) > 4 else "")
+            raise ArgumentError(f"{what} differ between the {self.world_size} tensor-parallel ranks: {shown}. {fix}")
+        return result
+
+    def agreed_load(self, read: Callable[[], tuple]) -> tuple:
+        """``InklingMTP.from_pretrained``'s ``read()`` (checkpoint, model, shards, own tensors, lent tensors) on every
+        rank, then two exchanges (:meth:`agree`): what each rank loaded (config, tensor names, dtypes, shapes), then
+        the checksums of the tensors every rank holds whole. Ranks that read different checkpoints (another training
+        step, another ``dtype``) are refused on every rank, with the tensors that differ named."""
+        what = CHECKSUM + "the config, dtype and tensor shapes"
+        loaded = self.agree("the checkpoints", [what],
+                            lambda: (r := read(), {what: loaded_digest(r[0].config, *r[3:])}),
+                            fix="Every rank must load the same checkpoint, with the same from_pretrained options.")
+        _, _, shards, own, _ = loaded
+        whole = [name for name in sorted(own) if name not in shards]
+        self.agree("the checkpoints' replicated tensors", [CHECKSUM + name for name in whole],
+                   lambda: (None, {CHECKSUM + name: checksum(own[name]) for name in whole}),
+                   fix="Every rank must load the same checkpoint files.")
+        return loaded
 
     # -- communication ---------------------------------------------------------------------------------------------
 

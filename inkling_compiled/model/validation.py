@@ -14,6 +14,7 @@ from .. import arguments
 from ..arguments import ArgumentError
 from . import int8
 from .cache import MTPCache
+from .tensor_parallel import CHECKSUM, checksum
 
 # Functions here take the model as an ``nn.Module`` (an ``InklingMTP``): importing its class would be a cycle.
 
@@ -50,8 +51,34 @@ def check_inputs(model: nn.Module, input_ids: torch.Tensor | None, positions: to
 
     Padding rows are those at ``cache.pad_position``; their positions and hidden values are not checked.
     ``drafting`` applies the Drafter's conventions instead: negative positions mark padding, and every sequence
-    needs a real row (its draft is read off its last one). Reading the values costs one host sync.
+    needs a real row (its draft is read off its last one). Reading the values costs one host sync; a
+    tensor-parallel model's ranks then compare their inputs in one exchange (:meth:`TensorParallel.agree`).
     """
+    if model.parallel is not None:  # every rank the same inputs, or an error on every rank
+        def run():
+            checked = _check_inputs(model, input_ids, positions, previous_hidden, cache, depth, inputs_embeds,
+                                    drafting)
+            return checked, _input_fields(*checked, previous_hidden, cache, depth, inputs_embeds, drafting)
+        return model.parallel.agree("the inputs", INPUT_FIELDS, run, fix="Every rank passes the same inputs: the "
+                                    "ranks split the weights, not the rows.")
+    return _check_inputs(model, input_ids, positions, previous_hidden, cache, depth, inputs_embeds, drafting)
+
+
+# What tensor-parallel ranks compare of a call's inputs (padding rows' contents aside: they reach no output)
+INPUT_FIELDS = ("batch", "rows", "depth", "inputs_embeds given", CHECKSUM + "input_ids / inputs_embeds",
+                CHECKSUM + "positions", CHECKSUM + "previous_hidden")
+
+
+def _input_fields(input_ids, positions, previous_hidden, cache, depth, inputs_embeds, drafting) -> dict:
+    real = positions >= 0 if drafting or cache is None else positions != cache.pad_position
+    given = input_ids.masked_fill(~real, 0) if input_ids is not None else inputs_embeds.where(real[..., None], 0)
+    return {"batch": positions.shape[0], "rows": positions.shape[1], "depth": depth,
+            "inputs_embeds given": int(inputs_embeds is not None), CHECKSUM + "input_ids / inputs_embeds":
+            checksum(given), CHECKSUM + "positions": checksum(positions.masked_fill(~real, -1)),
+            CHECKSUM + "previous_hidden": checksum(previous_hidden.where(real[..., None], 0))}
+
+
+def _check_inputs(model, input_ids, positions, previous_hidden, cache, depth, inputs_embeds, drafting):
     check_parameters(model)
     h, n = model.config.hidden_size, model.config.num_depths
     if not arguments.is_int(depth):

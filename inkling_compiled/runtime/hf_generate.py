@@ -29,7 +29,7 @@ from transformers.generation import (
 )
 
 from ..arguments import ArgumentError
-from .multimodal import MULTIMODAL_KWARGS, check_drafter_takes_rows, merged_rows
+from .multimodal import MULTIMODAL_KWARGS, merged_rows
 from .speculative import Decoding, SpeculativeOutput, _validate, run_loop
 
 __all__ = ["SpeculativeGenerateOutput", "custom_generate"]
@@ -94,9 +94,10 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
     do_sample = bool(generation_config.do_sample)
     draft_temperature = _draft_temperature(logits_processor) if do_sample else 0.0
     pad = generation_config._pad_token_tensor
+    media = {name: model_kwargs.get(name) for name in MULTIMODAL_KWARGS}
     input_ids, attention_mask, eos, pad = _validate(model, drafter, input_ids, model_kwargs.get("attention_mask"),
                                                     max_new_tokens, draft_temperature, 1.0, generator, lockstep, eos,
-                                                    None if pad is None else int(pad))
+                                                    None if pad is None else int(pad), media)
     beyond_temperature = LogitsProcessorList(p for p in logits_processor if not isinstance(p, TemperatureLogitsWarper))
     decoding = Decoding(
         greedy=not do_sample, draft_temperature=draft_temperature,
@@ -105,8 +106,6 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
         draft_scores=_processor_scores(beyond_temperature) if do_sample and len(beyond_temperature) else None,
         stop=(lambda sequences: StoppingCriteriaList(criteria)(sequences, None)) if criteria else None,
         pad_after_stop=_pads_after_stop(stopping_criteria), streamer=streamer)
-    media = {name: model_kwargs.get(name) for name in MULTIMODAL_KWARGS}
-    check_drafter_takes_rows(drafter, media)
     with torch.no_grad():
         rows = merged_rows(model, input_ids, **media)
         out = run_loop(model, drafter, input_ids, attention_mask, decoding,

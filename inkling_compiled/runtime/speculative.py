@@ -6,7 +6,7 @@ docs/protocol.md §6.3-§6.5, §6.7, §6.9; the loop's contract with its drafter
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +17,7 @@ from ..arguments import ArgumentError
 from ..config import logits_vocab_size
 from ..hf_compat import cache_argument
 from ..model.mtp import InklingMTP
+from ..model.tensor_parallel import CHECKSUM, checksum
 from .drafter import Drafter, DraftResult, DraftSource
 from .multimodal import check_drafter_takes_rows, merged_rows
 from .target_cache import rollback_rows, select_rows
@@ -145,10 +146,54 @@ def _verify_sampled(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, gener
 
 
 def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p, generator, lockstep,
-              eos_token_id, pad_token_id) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+              eos_token_id, pad_token_id, media: dict) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
     """Check every argument before any model call; return (input_ids, attention_mask) as int64 tensors, the EOS
     ids and the pad id (checked whether or not an EOS is given: it is also the token of the drafter's padding rows
-    when rows keep different numbers of tokens)."""
+    when rows keep different numbers of tokens). ``media``: the image / audio inputs given (their contents are
+    checked where the target's rows are merged). A tensor-parallel drafter's ranks compare them all in one exchange
+    (:meth:`TensorParallel.agree`): the ranks split the weights, so each must decode the same batch."""
+    def run():
+        checked = _checked_arguments(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p,
+                                     generator, lockstep, eos_token_id, pad_token_id)
+        check_drafter_takes_rows(drafter, media)
+        return checked, _generation_fields(*checked, max_new_tokens, temperature, top_p, generator, lockstep, media)
+
+    parallel = getattr(getattr(drafter, "model", None), "parallel", None)
+    if parallel is None:
+        return run()[0]
+    return parallel.agree("speculative decoding's arguments", GENERATION_FIELDS, run, fix="Every rank passes the "
+                          "same prompt and options, and a generator seeded alike.")
+
+
+# What tensor-parallel ranks compare of a generation's arguments (the prompt's padding aside: it reaches no output)
+GENERATION_FIELDS = ("batch", "prompt length", "max_new_tokens", "pad_token_id", CHECKSUM + "input_ids",
+                     CHECKSUM + "attention_mask", CHECKSUM + "the EOS ids", CHECKSUM + "temperature, top_p, lockstep",
+                     CHECKSUM + "the generator's state", CHECKSUM + "the image / audio inputs")
+
+
+def _generation_fields(input_ids, attention_mask, eos, pad, max_new_tokens, temperature, top_p, generator, lockstep,
+                       media) -> dict:
+    options = torch.tensor([float(temperature), float(top_p), float(lockstep)], dtype=torch.float64)
+    state = generator.get_state() if generator is not None else torch.zeros(0, dtype=torch.uint8)
+    given = [t for value in media.values() for t in _tensors(value)]
+    return {"batch": input_ids.shape[0], "prompt length": input_ids.shape[1], "max_new_tokens": max_new_tokens,
+            "pad_token_id": pad, CHECKSUM + "input_ids": checksum(input_ids * attention_mask),
+            CHECKSUM + "attention_mask": checksum(attention_mask), CHECKSUM + "the EOS ids": checksum(
+                torch.tensor(eos, dtype=torch.long)), CHECKSUM + "temperature, top_p, lockstep": checksum(options),
+            CHECKSUM + "the generator's state": checksum(state), CHECKSUM + "the image / audio inputs": sum(
+                (checksum(t).cpu() for t in given), torch.tensor(len(given)))}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in a multimodal argument: itself, or a dict's / vision output's values, one level down."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    inner = value.values() if isinstance(value, Mapping) else ()  # a ModelOutput is a Mapping too
+    return [v for v in inner if isinstance(v, torch.Tensor)]
+
+
+def _checked_arguments(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p, generator,
+                       lockstep, eos_token_id, pad_token_id) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
     if not isinstance(target, nn.Module) or not hasattr(getattr(target, "config", None), "get_text_config"):
         raise ArgumentError(f"target must be a transformers Inkling model (InklingForCausalLM or "
                             f"InklingForConditionalGeneration), got {type(target).__name__}")
@@ -253,17 +298,16 @@ def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
     them: the target's prefill reads the merged rows, and so does the drafter's (docs/model.md §7). Raises
     ``ArgumentError`` on bad arguments before any model call.
     """
+    media = {"pixel_values": pixel_values, "audio_input_ids": audio_input_ids,
+             "audio_input_ids_mask": audio_input_ids_mask, "mm_encoder_outputs": mm_encoder_outputs}
     input_ids, attention_mask, eos, pad_token_id = _validate(target, drafter, input_ids, attention_mask,
                                                              max_new_tokens, temperature, top_p, generator, lockstep,
-                                                             eos_token_id, pad_token_id)
+                                                             eos_token_id, pad_token_id, media)
     if temperature == 0:
         decoding = Decoding()
     else:
         decoding = Decoding(greedy=False, draft_temperature=float(temperature),
                             scores=lambda context, logits, rows: temperature_top_p_scores(logits, temperature, top_p))
-    media = {"pixel_values": pixel_values, "audio_input_ids": audio_input_ids,
-             "audio_input_ids_mask": audio_input_ids_mask, "mm_encoder_outputs": mm_encoder_outputs}
-    check_drafter_takes_rows(drafter, media)
     with torch.no_grad():
         rows = merged_rows(target, input_ids, **media)
         return run_loop(target, drafter, input_ids, attention_mask, decoding, max_new_tokens=max_new_tokens, eos=eos,

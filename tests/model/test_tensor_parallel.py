@@ -16,8 +16,8 @@ from inkling_compiled import InklingMTP
 from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.checkpoint import raw_key
 from inkling_compiled.generate import main as generate_cli
-from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN, TensorParallel
-from inkling_compiled.runtime import Drafter, speculative_generate
+from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN, TensorParallel, checksum
+from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
 from inkling_compiled.runtime.packaged import PackageMismatch
 from inkling_compiled.testing.distributed import run_ranks
 from inkling_compiled.testing.synthetic import greedy_generation_config, load_hf_target, tiny_config, write_checkpoint
@@ -144,6 +144,85 @@ def test_sharded_equals_unsharded(tp_checkpoint, world_size):
         for key in ("top_tokens", "sequences@0.0", "sequences@0.8"):
             assert torch.equal(r[key], first[key]), key
     assert {r["head_rows"] for r in results} == {512 // world_size}
+
+
+def _outcome(call) -> str:
+    """"ok", or the exception's type and message: what a rank did with a call the ranks may disagree on."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test reads the outcome
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def _disagreements(mesh, path, other) -> dict:
+    """Ranks that load, or pass, different things: each call below differs on rank 1 only."""
+    one = mesh.get_local_rank() == 1
+    out = {"load other checkpoint": _outcome(lambda: InklingMTP.from_pretrained(other if one else path,
+                                                                                device_mesh=mesh)),
+           "load fewer depths": _outcome(lambda: InklingMTP.from_pretrained(path, device_mesh=mesh,
+                                                                            num_depths=1 if one else None)),
+           "load missing path": _outcome(lambda: InklingMTP.from_pretrained(path.parent / "missing" if one else path,
+                                                                            device_mesh=mesh))}
+    target = load_hf_target(path)
+    target.generation_config.eos_token_id = None
+    tp = InklingMTP.from_pretrained(path, target=target, device_mesh=mesh)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tp.config.logits_vocab_size, (2, 4), generator=gen)
+    positions, hidden = torch.arange(4).expand(2, 4), torch.randn(2, 4, tp.config.hidden_size, generator=gen)
+    out["forward batch"] = _outcome(lambda: tp(ids[:2 if one else 1], positions[:2 if one else 1],
+                                               hidden[:2 if one else 1]))
+    out["forward ids"] = _outcome(lambda: tp(ids + int(one), positions, hidden))
+    out["forward bad id"] = _outcome(lambda: tp(ids + 10_000 * int(one), positions, hidden))
+    # padding rows (negative positions) may hold anything: they reach no output
+    padded_ids, padded_positions, padded_hidden = ids.clone(), positions - 2, hidden.clone()
+    padded_ids[:, :2] = int(one)
+    padded_hidden[:, :2] = float("nan") if one else 0.0
+    drafter = Drafter(tp, 2, 16, compile=False)
+    out["padding rows"] = drafter.draft(padded_ids, padded_positions, padded_hidden).drafts
+    prompts = torch.randint(8, tp.config.logits_vocab_size, (2, 5), generator=gen)
+    out["generate prompt"] = _outcome(lambda: speculative_generate(target, drafter, prompts + int(one),
+                                                                   max_new_tokens=4))
+    out["generate seed"] = _outcome(lambda: speculative_generate(
+        target, drafter, prompts, max_new_tokens=4, temperature=0.8, generator=torch.Generator().manual_seed(int(one))))
+    out["generate() prompt"] = _outcome(lambda: target.generate(
+        prompts + int(one), attention_mask=torch.ones_like(prompts), custom_generate=custom_generate, drafter=drafter,
+        generation_config=greedy_generation_config(target, 4)))
+    out["sequences"] = speculative_generate(target, drafter, prompts, max_new_tokens=4).sequences  # the group works
+    return out
+
+
+def test_ranks_that_disagree_are_refused_on_every_rank(tp_checkpoint, tmp_path):
+    """Ranks reading other checkpoints, or passing other inputs, would compute garbage together (their partial sums
+    add up all the same), and a rank refusing its input would leave the others waiting in the next collective:
+    every rank raises, naming the difference (or the rank that refused)."""
+    other = write_checkpoint(tmp_path / "other", tiny_config(**TP_HEADS), seed=1)
+    ranks = run_ranks(_disagreements, 2, tp_checkpoint, other, timeout=240)
+    refused = "ArgumentError: {what}: rank(s) [1] of the tensor-parallel group refused theirs"
+    differ = "ArgumentError: {what} differ between the 2 tensor-parallel ranks: "
+    for got in ranks:
+        assert got["load other checkpoint"].startswith(differ.format(what="the checkpoints' replicated tensors")
+                                                       + "contents of embed_norm_weight; contents of embed_weight; ")
+        assert got["load other checkpoint"].endswith(" more. Every rank must load the same checkpoint files.")
+        assert got["load fewer depths"] == differ.format(what="the checkpoints") + (
+            "contents of the config, dtype and tensor shapes. Every rank must load the same checkpoint, with the same "
+            "from_pretrained options.")
+        assert got["forward batch"].startswith(differ.format(what="the inputs") + "batch (rank 0: 1, rank 1: 2)")
+        assert got["forward ids"] == differ.format(what="the inputs") + (
+            "contents of input_ids / inputs_embeds. Every rank passes the same inputs: the ranks split the weights, "
+            "not the rows.")
+        assert got["generate prompt"].startswith(differ.format(what="speculative decoding's arguments")
+                                                 + "contents of input_ids."), got["generate prompt"]
+        assert got["generate() prompt"] == got["generate prompt"]
+        assert got["generate seed"].startswith(differ.format(what="speculative decoding's arguments")
+                                               + "contents of the generator's state."), got["generate seed"]
+    zero, one = ranks
+    assert zero["load missing path"].startswith(refused.format(what="the checkpoints"))
+    assert one["load missing path"].startswith("FileNotFoundError: checkpoint directory ")
+    assert zero["forward bad id"].startswith(refused.format(what="the inputs"))
+    assert one["forward bad id"].startswith("ArgumentError: token id ") and "out of range" in one["forward bad id"]
+    assert torch.equal(zero["padding rows"], one["padding rows"])
+    assert torch.equal(zero["sequences"], one["sequences"])
 
 
 def test_torchrun_cli(tp_checkpoint):
@@ -291,6 +370,20 @@ def test_each_rank_reads_only_slices(tp_checkpoint, monkeypatch):
     intermediate = checkpoint.config.intermediate_size
     assert torch.equal(gate_up[: intermediate // 4], full["layers.0.transformer_block.mlp.w13_dn.weight"][
         3 * intermediate // 4 : intermediate])  # rank 3's gate rows, then its up rows
+
+
+def test_checksum_is_exact_and_order_sensitive():
+    """What ranks compare (TensorParallel.agree): equal values give equal sums in any layout; a swap of two
+    elements, one flipped bit in the last of several chunks, or -0.0 for 0.0 changes them."""
+    t = torch.randn(3, (1 << 22) // 3 + 7, generator=torch.Generator().manual_seed(0))  # two chunks
+    assert checksum(t).dtype == torch.int64 and int(checksum(t)) == int(checksum(t.t().contiguous().t()))
+    swapped, flipped = t.clone(), t.clone()
+    swapped[0, :2] = t[0, :2].flip(0)
+    flipped.view(torch.int32)[-1, -1] ^= 1
+    assert len({int(checksum(x)) for x in (t, swapped, flipped)}) == 3
+    assert int(checksum(torch.zeros(4))) != int(checksum(torch.tensor([0.0, -0.0, 0.0, 0.0])))
+    for other in (t.bfloat16(), t > 0, t.long()):  # every element size
+        assert int(checksum(other)) == int(checksum(other.clone()))
 
 
 def test_refusals_name_the_problem(tp_checkpoint):
