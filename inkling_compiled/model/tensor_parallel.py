@@ -56,19 +56,15 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dt
 CHECKSUM = "contents of "  # the prefix of the fields :meth:`TensorParallel.agree` compares without printing them
 
 
-def checksum(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 tensor on ``t``'s device: an exact, order-sensitive checksum of ``t``'s bits (every element's bits
-    as an integer, weighted by its index modulo a prime). Integer sums are exact in any order, so every rank holding
-    the same values gets the same number, whatever its threads or kernels; computed in chunks so that a large table
-    costs no full-size int64 copy."""
+def checksum(t: torch.Tensor, most: int = 1 << 18) -> torch.Tensor:
+    """A 0-d int64 tensor on ``t``'s device: an exact, order-sensitive checksum of the bits of ``t``'s elements (each
+    as an integer, weighted by its index modulo a prime; integer sums are exact in any order, so equal values give
+    the same number on every rank whatever its threads or kernels), over at most ``most`` of them, evenly strided:
+    another checkpoint or input differs nearly everywhere, and every element would cost a second per 32 M on one
+    CPU thread (a full-size head's replicated tensors: tens of seconds)."""
     flat = t.detach().reshape(-1)
-    flat = flat.view(_BITS[flat.element_size()])
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), 1 << 22):
-        chunk = flat[start:start + (1 << 22)].long()
-        weights = torch.arange(start, start + chunk.numel(), device=flat.device) % 65521 + 1
-        total += (chunk * weights).sum()
-    return total
+    flat = flat.view(_BITS[flat.element_size()])[::max(1, -(-flat.numel() // most))].long()
+    return (flat * (torch.arange(flat.numel(), device=flat.device) % 65521 + 1)).sum()
 
 
 def loaded_digest(config: MTPConfig, own: Mapping[str, torch.Tensor], lent: Mapping[str, torch.Tensor]) -> int:

@@ -374,8 +374,9 @@ def test_each_rank_reads_only_slices(tp_checkpoint, monkeypatch):
 
 def test_checksum_is_exact_and_order_sensitive():
     """What ranks compare (TensorParallel.agree): equal values give equal sums in any layout; a swap of two
-    elements, one flipped bit in the last of several chunks, or -0.0 for 0.0 changes them."""
-    t = torch.randn(3, (1 << 22) // 3 + 7, generator=torch.Generator().manual_seed(0))  # two chunks
+    elements, one flipped bit or -0.0 for 0.0 changes them; in a large tensor (strided), a changed row does."""
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(3, 1000, generator=gen)
     assert checksum(t).dtype == torch.int64 and int(checksum(t)) == int(checksum(t.t().contiguous().t()))
     swapped, flipped = t.clone(), t.clone()
     swapped[0, :2] = t[0, :2].flip(0)
@@ -384,6 +385,10 @@ def test_checksum_is_exact_and_order_sensitive():
     assert int(checksum(torch.zeros(4))) != int(checksum(torch.tensor([0.0, -0.0, 0.0, 0.0])))
     for other in (t.bfloat16(), t > 0, t.long()):  # every element size
         assert int(checksum(other)) == int(checksum(other.clone()))
+    large = torch.randn(4096, 1024, generator=gen)
+    changed = large.clone()
+    changed[1234] = torch.randn(1024, generator=gen)
+    assert int(checksum(large)) == int(checksum(large.clone())) != int(checksum(changed))
 
 
 def test_refusals_name_the_problem(tp_checkpoint):
