@@ -48,8 +48,6 @@ def load_models(preset: str, *, device="cpu", dtype=torch.float32, weights: str 
                 peer: bool = True) -> Models:
     """Build ``preset``'s models on ``device`` in ``dtype`` (see module doc); ``peer=False`` skips transformers."""
     device, weights = torch.device(device), weights or ("random" if preset == "full" else "checkpoint")
-    if weights not in ("checkpoint", "random"):
-        raise ValueError(f"weights must be 'checkpoint' or 'random', got {weights!r}")
     overrides = dict(num_mtp_layers=1, local_layer_ids=(0,), num_hidden_layers=2) if preset == "full" else {}
     target = hf_mtp = path = None
     if weights == "random":

@@ -1,6 +1,6 @@
 """``python -m bench``: sub-commands ``run`` (the default: measure, print, write the JSON and the report image),
-``report RESULT.json`` (a saved run's table and image), ``probe`` and ``prebuild`` (internal: a fresh process's
-measurement, a run's second process); sections: :data:`SECTIONS`."""
+``report RESULT.json`` (a saved run's table and image), ``prebuild`` (internal: a run's second process); ``probe``
+(internal: a fresh process's measurement) is bench/__main__.py's; sections: :data:`SECTIONS`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from inkling_compiled.checkpoint.reader import checkpoint_directory
 from inkling_compiled.runtime import round_cache
 from inkling_compiled.testing.synthetic import PRESETS, preset_config
 
-from . import compile_time, e2e, multimodal, packaged, plots, probe_main, quant, report, startup, step, tp
+from . import compile_time, e2e, multimodal, packaged, plots, quant, report, startup, step, tp
 from .harness import ONE_TIME, OPT_IN, Context, Prebuild, Settings, error_text, plain, progress, write_json
 from .models import load_models
 
@@ -410,9 +410,6 @@ def main(argv=None) -> int:
     shown.add_argument("result", type=Path, help="a JSON a run wrote (bench/out/bench-*.json or --json)")
     shown.add_argument("--out", type=Path, help="where the PNG goes (default: beside the JSON)")
     shown.add_argument("--no-image", action="store_true", help="only the table")
-    probe = sub.add_parser("probe", help="internal: one measurement in this fresh process")
-    probe.add_argument("function")
-    probe.add_argument("args_json")
     second = sub.add_parser("prebuild", help="internal: a run's second process")
     second.add_argument("sections")
     second.add_argument("started", type=float)
@@ -421,8 +418,6 @@ def main(argv=None) -> int:
     if a.command == "prebuild":
         Prebuild.serve(a.sections.split(","), parse_args(a.argv), {s.name: s.module for s in SECTIONS}, a.started)
         return 0
-    if a.command == "probe":  # `python -m bench probe` reaches it before importing this module (bench/__main__.py)
-        return probe_main(a.function, a.args_json)
     if a.command == "report":
         return report_command(a)
     run(argv[1:])

@@ -477,16 +477,6 @@ def heldout_prompts(count: int, length: int, *, seed: int = 0, corpus: Corpus | 
     return line_start_windows(corpus.stream("heldout"), count, length, seed + 1000)
 
 
-def bench_inputs(count: int = 4, length: int = 32, *, seed: int = 0, recipe: Recipe = RECIPE, root=None,
-                 progress: bool = True) -> tuple[Path, torch.Tensor, torch.Tensor]:
-    """(text target directory, held-out prompts [count, length], attention mask) for the end-to-end benchmark;
-    builds the target on first use."""
-    corpus = load_corpus()
-    path = build(recipe, root=root, corpus=corpus, progress=progress)
-    ids = heldout_prompts(count, length, seed=seed, corpus=corpus)
-    return path, ids, torch.ones_like(ids)
-
-
 def main(argv=None) -> int:
     parser = arguments.OneLineParser(prog="python -m inkling_compiled.training.text_target",
                                      description=__doc__.split("\n\n")[0])
