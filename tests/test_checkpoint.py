@@ -898,6 +898,14 @@ def other(ckpt_root) -> InklingMTP:
 
 
 @pytest.fixture(scope="module")
+def other_depths(sharded, other) -> InklingMTP:
+    """``sharded``'s shared tensors (the target's), ``other``'s depths: what a save over the target may write."""
+    mixed = InklingMTP.from_pretrained(sharded)
+    mixed.load_state_dict({n: p for n, p in other.state_dict().items() if n not in C.SHARED_KEYS}, strict=False)
+    return mixed
+
+
+@pytest.fixture(scope="module")
 def saved(ckpt_root, sharded) -> Path:
     """A directory written by save_pretrained itself."""
     InklingMTP.from_pretrained(sharded).save_pretrained(ckpt_root / "saved")
@@ -954,7 +962,7 @@ def _fail_at(monkeypatch, n: int, how: str) -> list[str]:
 
 
 EXPECTED_FILES = {
-    "sharded": [C.MTP_FILE, C.SHARED_FILE, C.INDEX_FILE, "config.json"],
+    "sharded": [C.MTP_FILE, C.INDEX_FILE, "config.json"],  # the shared tensors are the target's shards' already
     "saved": [C.MTP_FILE, C.SHARED_FILE, "config.json"],
     "new": [C.MTP_FILE, C.SHARED_FILE, "config.json"],
 }
@@ -962,9 +970,10 @@ EXPECTED_FILES = {
 
 @pytest.mark.parametrize("how", ["before", "partial", "interrupt"])
 @pytest.mark.parametrize("which", ["sharded", "saved", "new"])
-def test_failed_save_leaves_the_directory_as_it_was(which, how, request, other, tmp_path, monkeypatch):
+def test_failed_save_leaves_the_directory_as_it_was(which, how, request, other, other_depths, tmp_path, monkeypatch):
     """Fault injection at every file of a save: after each failure the directory holds exactly the bytes it held
     before (no stray temporaries) and loads as before; a new directory is not left behind at all."""
+    other = other_depths if which == "sharded" else other  # over a sharded target: its own shared tensors
     path = tmp_path / "new" / "deeper" if which == "new" else _copy(request.getfixturevalue(which), tmp_path / which)
     before = _snapshot(path) if which != "new" else None
     loaded_before = InklingMTP.from_pretrained(path) if which != "new" else None
@@ -1019,23 +1028,43 @@ def test_first_rename_failing_leaves_the_directory_as_it_was(saved, other, tmp_p
 # ------------------------------------------------------------------------------------------------ over a checkpoint
 
 
-def test_save_over_a_sharded_checkpoint_loads_what_was_saved(sharded, other, tmp_path):
-    """The index is rewritten to name the files just written for the keys they hold: neither our loader nor
-    transformers' is sent back to the stale shards for the embedding and head."""
+@pytest.mark.parametrize("same_checkpoint", [True, False])
+def test_save_over_a_sharded_checkpoint_keeps_the_target(sharded, model, other_depths, same_checkpoint, tmp_path):
+    """Saved back over its source, or with other depths: the index names the files just written for the keys they
+    hold, and the shared tensors stay in the target's shards (a model.safetensors beside the index would be what
+    transformers loads in place of every shard): both loaders read what was saved, transformers the whole target."""
     path = _copy(sharded, tmp_path / "sharded")
     index_before = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
-    other.save_pretrained(path)
-    _assert_bit_exact(InklingMTP.from_pretrained(path), other)
+    target_before = S.load_hf_target(path).state_dict()
+    saving = model if same_checkpoint else other_depths
+    saving.save_pretrained(path)
+    _assert_bit_exact(InklingMTP.from_pretrained(path), saving)
+    assert not (path / C.SHARED_FILE).exists()
     weight_map = json.loads((path / C.INDEX_FILE).read_text())["weight_map"]
     assert set(weight_map) == set(index_before)
-    assert {k: v for k, v in weight_map.items() if k in SHARED} == dict.fromkeys(SHARED, C.SHARED_FILE)
     assert {k for k, v in weight_map.items() if v == C.MTP_FILE} == set(load_file(path / C.MTP_FILE))
-    trunk = {k: v for k, v in index_before.items() if not k.startswith(C.MTP_PREFIX) and k not in SHARED}
-    assert {k: weight_map[k] for k in trunk} == trunk  # the target's other tensors still found where they are
-    target = S.load_hf_target(path)
-    assert torch.equal(target.get_input_embeddings().weight, other.embed_weight)
-    assert torch.equal(target.get_input_embeddings().embed_norm.weight, other.embed_norm_weight)
-    assert torch.equal(target.lm_head.weight, other.lm_head_weight)
+    assert {k: v for k, v in weight_map.items() if v != C.MTP_FILE} == {
+        k: v for k, v in index_before.items() if v != C.MTP_FILE}  # the target's tensors found where they were
+    target = S.load_hf_target(path).state_dict()
+    assert set(target) == set(target_before)
+    assert all(torch.equal(target[k], t) for k, t in target_before.items() if ".mtp." not in k)
+
+
+def test_save_over_a_sharded_checkpoint_with_other_shared_tensors_is_refused(sharded, other, tmp_path):
+    """The shared tensors are the target's: a model whose embedding or head differs from the stored ones would
+    have to rewrite the target's shards."""
+    _assert_save_refused(other, _copy(sharded, tmp_path / "sharded"), CheckpointError,
+                         r"the target's shards \(by model\.safetensors\.index\.json\) do not hold this model's "
+                         r"\['model\.llm\.embed\.weight', .* pass include_shared=False to write only the MTP")
+
+
+def test_save_over_another_models_config_is_refused(sharded, model, ckpt_root, tmp_path):
+    """Its config.json is the target's too: replaced by this model's, it would describe the target's shards with
+    another model's sizes."""
+    deeper = _copy(S.cached_checkpoint("tiny", root=ckpt_root, num_hidden_layers=3), tmp_path / "deeper")
+    with pytest.raises(CheckpointError, match=r"its config\.json describes another model \(\['text_config\.layer_types'"
+                       r", .*'text_config\.num_hidden_layers'\] differ from this model's\): save to a new directory"):
+        model.save_pretrained(deeper, include_shared=False)
 
 
 def test_save_over_a_sharded_checkpoint_drops_index_entries_of_mtp_keys_it_does_not_hold(model, sharded, tmp_path):

@@ -14,6 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .. import arguments
@@ -43,8 +44,10 @@ def save_checkpoint(path, config: MTPConfig, tensors: Mapping[str, torch.Tensor]
     ``tensors`` are the model's parameters by name (one floating dtype, finite). Over an existing checkpoint: an index
     there is updated to name exactly the files just written for the keys they hold (the target's other entries
     kept), and a save that would destroy tensors it does not own (a ``model.safetensors`` holding the whole target)
-    or leave two copies of a key with no index to choose is refused before anything is written. The write itself is
-    :func:`write_files_atomically`.
+    or leave two copies of a key with no index to choose is refused before anything is written. Beside an index (a
+    sharded target) the shared tensors are the target's own, in its shards: they are not written again, since
+    transformers loads a ``model.safetensors`` in place of the index, and a save whose shared tensors differ from
+    the stored ones is refused. The write itself is :func:`write_files_atomically`.
     """
     path = arguments.path("checkpoint path", path)
     arguments.check_bool("include_shared", include_shared)
@@ -54,6 +57,9 @@ def save_checkpoint(path, config: MTPConfig, tensors: Mapping[str, torch.Tensor]
     config_json = _config_json(config, dtype)
     index = None
     if path.is_dir():
+        _refuse_other_model(path, config_json)
+        if SHARED_FILE in files and read_index(path) is not None:
+            _check_stored_beside_index(path, files.pop(SHARED_FILE))
         index = _updated_index(path, files)
         _refuse_data_loss(path, files, has_index=index is not None)
     writers: dict[str, Callable[[Path], None]] = {
@@ -101,6 +107,58 @@ def _updated_index(path: Path, files: Mapping[str, Iterable[str]]) -> dict | Non
     kept = {k: v for k, v in index["weight_map"].items()
             if k not in written and v not in files and not k.startswith(MTP_PREFIX)}
     return {**index, "weight_map": dict(sorted({**kept, **written}.items()))}
+
+
+def _refuse_other_model(path: Path, config_json: dict) -> None:
+    """Refuse a save over a config.json that describes another model: it is the target's too, and replacing it
+    would leave the target's shards described by this model's sizes. What a save of the same model may change (its
+    depth count, its dtype) is not compared; a config.json that does not parse holds nothing to keep."""
+    try:
+        there = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    differ = sorted(set(_flat_settings(there).items()) ^ set(_flat_settings(config_json).items()))
+    if isinstance(there, dict) and differ:
+        names = sorted({name for name, _ in differ})
+        raise CheckpointError(f"{path}: refusing to save here: its {CONFIG_FILE} describes another model ({names[:5]}"
+                              f"{' ...' if len(names) > 5 else ''} differ from this model's): save to a new directory")
+
+
+_DEPTH_SETTINGS = {"dtype", "torch_dtype", "num_mtp_layers", "mtp_local_layer_ids", "mtp_config"}
+
+
+def _flat_settings(config: object, prefix: str = "") -> dict[str, str]:
+    """``section.key -> JSON text`` of a config.json's settings, the ones a save of the same model may change left
+    out."""
+    if not isinstance(config, dict):
+        return {}
+    flat = {}
+    for key, value in config.items():
+        if key in _DEPTH_SETTINGS:
+            continue
+        if isinstance(value, dict):
+            flat.update(_flat_settings(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = json.dumps(value, sort_keys=True)
+    return flat
+
+
+def _check_stored_beside_index(path: Path, shared: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a save beside an index whose shared tensors the target's shards do not hold as they are."""
+    weight_map, differ = read_index(path)["weight_map"], []
+    for key, t in shared.items():
+        try:
+            with safe_open(str(path / weight_map[key]), framework="pt") as f:
+                stored = f.get_tensor(key) if key in f.keys() else None
+            same = stored is not None and stored.dtype == t.dtype and torch.equal(stored, t)
+        except (KeyError, OSError, SafetensorError):  # not indexed, or not readable
+            same = False
+        differ += [] if same else [key]
+    if differ:
+        raise CheckpointError(f"{path}: refusing to save here: the target's shards (by {INDEX_FILE}) do not hold "
+                              f"this model's {differ} as they are, and a {SHARED_FILE} beside the index would be "
+                              "loaded by transformers in place of every shard (save to a new directory, or pass "
+                              "include_shared=False to write only the MTP)")
 
 
 _DEPTH_KEY = re.compile(re.escape(f"{MTP_PREFIX}layers.") + r"(\d+)\.")
