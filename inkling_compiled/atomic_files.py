@@ -5,6 +5,7 @@ the new one, never a half-written file. Used by checkpoint saves (``checkpoint/w
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import uuid
@@ -59,10 +60,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def build_directory_atomically(final, build: Callable[[Path], None], *, complete: str) -> Path:
+def build_directory_atomically(final, build: Callable[[Path], None], *, complete: str, first_wins: bool = True
+                               ) -> Path:
     """Create ``final`` by ``build``-ing it under a temporary sibling name and renaming it into place, so that a
     directory that exists is complete. If a concurrent builder got there first (``final/complete`` exists), its
-    copy wins and ours is discarded; on any failure nothing is left behind."""
+    copy wins and ours is discarded (a cache, where either copy serves), or with ``first_wins=False`` (a directory
+    the caller named) FileExistsError; on any failure nothing is left behind."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     temporary = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -74,6 +77,8 @@ def build_directory_atomically(final, build: Callable[[Path], None], *, complete
         except OSError:
             if not (final / complete).is_file():
                 raise
+            if not first_wins:
+                raise FileExistsError(errno.EEXIST, "another writer created it first", str(final)) from None
     finally:
         if temporary.exists():
             shutil.rmtree(temporary, ignore_errors=True)

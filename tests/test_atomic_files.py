@@ -42,6 +42,19 @@ def test_a_concurrent_builders_complete_copy_wins(tmp_path):
     assert (final / "done").read_text() == "theirs" and [p.name for p in tmp_path.iterdir()] == ["pkg"]
 
 
+def test_a_concurrent_builders_copy_is_an_error_where_the_first_does_not_win(tmp_path):
+    """A directory the caller named (a package): another writer's copy there is not ours to return."""
+    final = tmp_path / "pkg"
+
+    def build(directory: Path) -> None:
+        build_directory_atomically(final, _write("done", "theirs"), complete="done")
+        (directory / "done").write_text("ours")
+
+    with pytest.raises(FileExistsError, match="another writer created it first"):
+        build_directory_atomically(final, build, complete="done", first_wins=False)
+    assert (final / "done").read_text() == "theirs" and [p.name for p in tmp_path.iterdir()] == ["pkg"]
+
+
 def test_an_incomplete_directory_in_the_way_is_an_error(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "junk").write_text("x")

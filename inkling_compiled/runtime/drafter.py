@@ -703,6 +703,8 @@ class Drafter:
         if batch_sizes[-1] > self.max_batch_size:
             raise ArgumentError(f"batch_sizes must be at most the drafter's max_batch_size {self.max_batch_size}, "
                                 f"got {batch_sizes}")
+        if rows[-1] > self.max_length:  # a step no call can use, compiled for minutes
+            raise ArgumentError(f"rows must be at most the drafter's max_length {self.max_length}, got {rows}")
         arguments.check_bool("sampled", sampled)
         self.check_model_unchanged()
         keys = sorted({(*self.bucket(b, r), s) for b in batch_sizes for r in rows for s in {False, sampled}})

@@ -266,12 +266,16 @@ def matches(directory, manifest: dict, here: dict, *, fallback: bool) -> bool:
 
 def save(directory, steps: Mapping[str, tuple[Callable, Sequence[torch.Tensor], nn.Module]], *,
          built_for: dict, layout: dict, inductor_options: Mapping,
-         dynamic_shapes: Mapping[str, tuple] | None = None) -> Path:
+         dynamic_shapes: Mapping[str, tuple] | None = None, cache: bool = False) -> Path:
     """Export and package each ``name -> (step, example inputs, state)`` into a new ``directory`` (atomically: it
     appears complete or not at all); ``layout`` is the caller's record of how to rebuild the states;
     ``dynamic_shapes`` gives a step's inputs' dynamic dims (``torch.export``'s spec, one entry per input). Checked
-    before any compile: ArgumentError when a file is in the directory's way, PackageError when it exists."""
+    before any compile: ArgumentError when a file is in the directory's way, PackageError when it exists, is a link,
+    or appears while compiling (``cache``: a round-cache entry, where a concurrent builder's copy wins instead)."""
     directory = Path(directory)
+    if directory.is_symlink():  # dangling, or to an empty directory: the rename after the compile would fail
+        raise PackageError(f"{directory} is a symbolic link: a package is written as a new directory; name a path "
+                           "that does not exist")
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise PackageError(f"{directory} already exists: packages are not overwritten; remove it or choose another "
                            "directory")
@@ -289,7 +293,10 @@ def save(directory, steps: Mapping[str, tuple[Callable, Sequence[torch.Tensor], 
         (temporary / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
     try:
-        return build_directory_atomically(directory, build, complete=MANIFEST)
+        return build_directory_atomically(directory, build, complete=MANIFEST, first_wins=cache)
+    except FileExistsError:
+        raise PackageError(f"{directory} appeared while this package was compiled: packages are not overwritten, "
+                           "and this one was discarded; remove it or choose another directory") from None
     except OSError as e:  # a read-only or full disk: named with the package, not the temporary directory beside it
         raise PackageError(f"the package {directory} could not be written: {e}") from e
 
@@ -459,11 +466,13 @@ def widths(drafter, rows: Sequence[int]) -> list[int]:
     return sorted({w for r in range(low, high + 1) if low <= (w := drafter.bucket(1, r)[1]) <= high})
 
 
-def save_rounds(drafter, directory, buckets: Sequence, rows: tuple[int, int] | None = None) -> Path:
+def save_rounds(drafter, directory, buckets: Sequence, rows: tuple[int, int] | None = None, *,
+                cache: bool = False) -> Path:
     """Package the round of each of ``buckets`` (the drafter's static buffers of a bucket, as example inputs) of a
     ``Drafter`` into the new ``directory``, with the drafter's layout; ``Drafter.save_compiled`` documents it. With
     ``rows`` (lowest, highest; the lowest at least 2, which export does not specialize), the window's rows are
-    dynamic in that range: each bucket's steps then serve every width of :func:`widths`."""
+    dynamic in that range: each bucket's steps then serve every width of :func:`widths`. ``cache``: ``directory``
+    is an entry of the round cache, where a concurrent builder's copy serves as well as ours (:func:`save`)."""
     if drafter._freezing:  # frozen weights are compiled into the code: the package could not read the model's own
         raise ValueError("save_compiled: this drafter compiles with Inductor freezing (a quantized model's fast "
                          "path, docs/compile.md §11), which folds the weights into the code; package with "
@@ -495,7 +504,7 @@ def save_rounds(drafter, directory, buckets: Sequence, rows: tuple[int, int] | N
               "rows": None if rows is None else list(rows)}
     options = drafter._inductor_options
     return save(directory, steps, built_for=built_for(model, options, drafter.num_speculative_tokens), layout=layout,
-                inductor_options=options, dynamic_shapes=dynamic)
+                inductor_options=options, dynamic_shapes=dynamic, cache=cache)
 
 
 def _takes(size, width: int) -> bool:

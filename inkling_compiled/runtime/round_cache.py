@@ -153,7 +153,7 @@ def _build(drafter, shape, directory: Path) -> None:
               drafter.num_speculative_tokens, batch, "sampled" if sampled else "greedy", *rows, directory)
     start = time.perf_counter()
     example = type(shape)(drafter, batch, rows[0], sampled)  # at the narrowest width (entry_layout)
-    packaged.save_rounds(drafter, directory, [example], rows=rows)
+    packaged.save_rounds(drafter, directory, [example], rows=rows, cache=True)
     seconds = time.perf_counter() - start
     _log.info("packaged the round of batch bucket %d (%s) in %.1f s", batch, "sampled" if sampled else "greedy",
               seconds, extra={"build_s": seconds, "directory": str(directory)})

@@ -362,6 +362,24 @@ def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(eag
         eager[1].save_compiled(tmp_path / "new")
     assert list(tmp_path.iterdir()) == []
 
+    def another_writer_first(step, inputs, state, path, options, dynamic_shapes):  # during a minutes-long compile
+        shutil.copytree(packages[1], tmp_path / "new", dirs_exist_ok=True)
+        return {}
+
+    monkeypatch.setattr(packaged, "_package", another_writer_first)
+    with pytest.raises(PackageError, match=r"new appeared while this package was compiled: packages are not "
+                                           "overwritten, and this one was discarded"):
+        eager[1].save_compiled(tmp_path / "new")
+    assert [p.name for p in tmp_path.iterdir()] == ["new"]  # theirs, whole; no temporary of ours beside it
+
+
+@pytest.mark.parametrize("link_to", ["missing", "empty"])
+def test_save_refuses_a_symbolic_link_before_compiling(eager, tmp_path, link_to):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "p").symlink_to(tmp_path / link_to)
+    with pytest.raises(PackageError, match="p is a symbolic link: a package is written as a new directory"):
+        eager[1].save_compiled(tmp_path / "p")
+
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(batch_sizes=(3,)), r"batch_sizes must be at most the drafter's max_batch_size 2, got \(3,\)"),
@@ -369,6 +387,7 @@ def test_save_refuses_an_existing_directory_and_leaves_nothing_when_it_fails(eag
     (dict(sampled=1), "sampled must be a bool"),
     (dict(batch_sizes=()), r"batch_sizes must name at least one size, got \(\)"),  # was an empty package
     (dict(rows=[]), r"rows must name at least one size, got \(\)"),
+    (dict(rows=(1, MAX_LENGTH + 1)), rf"rows must be at most the drafter's max_length {MAX_LENGTH}, got \(1, "),
 ])
 def test_save_compiled_arguments_are_checked(eager, tmp_path, kwargs, match):
     with pytest.raises(ArgumentError, match=match):
