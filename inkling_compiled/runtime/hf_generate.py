@@ -28,6 +28,7 @@ from transformers.generation import (
     TemperatureLogitsWarper,
 )
 
+from .. import arguments
 from ..arguments import ArgumentError
 from .multimodal import MULTIMODAL_KWARGS, merged_rows
 from .speculative import Decoding, SpeculativeOutput, _validate, run_loop
@@ -158,7 +159,12 @@ def _pads_after_stop(stopping_criteria: StoppingCriteriaList) -> bool:
 def _draft_temperature(processors: LogitsProcessorList) -> float:
     """The temperature the drafter samples at: the processors' (so its q is tempered like p), else 1."""
     tempered = [p.temperature for p in processors if isinstance(p, TemperatureLogitsWarper)]
-    return float(tempered[-1]) if tempered else 1.0
+    temperature = float(tempered[-1]) if tempered else 1.0
+    if 0 < temperature < arguments.MIN_TEMPERATURE:  # generate takes no temperature 0 with do_sample=True
+        raise ArgumentError(f"temperature {temperature:g} is below {arguments.MIN_TEMPERATURE:g}: sampling there is "
+                            "greedy decoding up to rounding, and 1 / temperature overflows float32; pass "
+                            "do_sample=False")
+    return temperature
 
 
 def _processor_scores(processors: LogitsProcessorList):

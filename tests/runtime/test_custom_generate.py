@@ -215,6 +215,7 @@ def test_return_dict_in_generate(target):
     (dict(prefix_allowed_tokens_fn=lambda b, ids: [1, 2]), "PrefixConstrainedLogitsProcessor"),
     (dict(drafter=None), "needs a drafter"),
     (dict(token_type_ids=torch.zeros(1, 4, dtype=torch.long)), "token_type_ids"),
+    (dict(do_sample=True, temperature=1e-7), "temperature 1e-07 is below 1e-06: .* pass do_sample=False"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(target, options, match):
     ids = torch.tensor([[5, 6, 7, 8]])
