@@ -174,7 +174,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     count, seconds = arguments.positive_int_option, _seconds(positive=True)
     p.add_argument("--full", action="store_true", help="every section and part, with longer timings (tens of "
                    "minutes on 2 cores; default: the headline figures in under 2 once a first run built its rounds)")
-    p.add_argument("--quick", action="store_true", help="few iterations everywhere (a smoke test; rough numbers)")
+    p.add_argument("--quick", action="store_true", help="few iterations everywhere (a smoke test; rough "
+                   "numbers; with --full: every section, few iterations)")
     p.add_argument("--only", type=_names(names), default=frozenset(), metavar="SECTIONS",
                    help="run only these sections (each even where it is off by default): "
                         + "; ".join(f"{s.name} ({s.help})" for s in SECTIONS))
@@ -230,6 +231,8 @@ def parse_args(argv=None) -> Settings:
         p.error(f"section(s) both skipped and asked for with --with / --only: {sorted((s.with_ | s.only) & s.skip)}")
     if s.record is not None and (s.record.is_dir() or not s.record.parent.is_dir()):
         p.error(f"argument --record: {str(s.record)!r} must be a file in an existing directory")
+    if s.record is not None and (problem := _appendable(s.record)):  # now, not after minutes of measuring
+        p.error(f"argument --record: cannot append to {str(s.record)!r}: {problem}")
     if s.json_path is not None and s.json_path.is_dir():
         p.error(f"argument --json: {str(s.json_path)!r} is a directory; name the file")
     level = 0 if s.quick else 2 if s.full else 1
@@ -241,6 +244,19 @@ def parse_args(argv=None) -> Settings:
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H-%M-%S")
     s.json_path = s.json_path or OUT_DIR / f"bench-{stamp}.json"
     return s
+
+
+def _appendable(path: Path) -> str | None:
+    """Why ``path`` cannot be appended to (opened for appending, a file it creates removed again), or None."""
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        path.unlink()
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ the runner
@@ -295,8 +311,11 @@ def _run(s: Settings, given: list[str], start: float) -> dict:
     print(text, flush=True)
     progress(f"wrote {s.json_path}")
     if s.record:
-        report.append_results(s.record, result, text)
-        progress(f"appended an entry to {s.record}")
+        try:
+            report.append_results(s.record, result, text)
+            progress(f"appended an entry to {s.record}")
+        except OSError as e:  # a disk that filled while measuring: the run is in the JSON still
+            progress(f"could not append to {s.record}: {e.strerror or e}; the run is in {s.json_path}")
     print(plots.report_line(result, s.json_path), flush=True)
     return result
 
@@ -388,7 +407,7 @@ def report_command(a: argparse.Namespace) -> int:
         raise SystemExit(plots.MISSING_HINT.format(json=a.result)) from None
     except OSError as e:
         raise SystemExit(f"cannot write {out}: {e.strerror or e}; choose another place with --out") from None
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # the schema's tag, other contents
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:  # edited contents
         raise SystemExit(f"{a.result} does not hold what a `python -m bench run` of schema {SCHEMA_ID} writes "
                          f"(edited?): {type(e).__name__} {e}") from None
     print(f"{a.result}: {'partial' if result['partial'] else 'complete'}, completed {result['completed']}")

@@ -105,7 +105,7 @@ def test_record_appends_an_entry(quick):
     assert result["command"] in text and result["machine"]["torch"] in text and result["date"] in text
 
 
-def test_the_default_run_is_the_headline_and_full_runs_every_part():
+def test_the_default_run_is_the_headline_and_full_runs_every_part(tmp_path):
     default, full = run.parse_args([]), run.parse_args(["--full"])
     assert default.record is None and default.json_path.parent == run.OUT_DIR
     assert default.max_length == default.context + 64 and default.tp_world_sizes == (1, 2)
@@ -116,6 +116,8 @@ def test_the_default_run_is_the_headline_and_full_runs_every_part():
     assert all(default.runs(name) for name in ("compile", "latency", "e2e", "packaged", "peer", "floor"))
     assert not default.runs("quant", "tiny") and default.runs("quant", "small") and full.time_budget > 10
     assert run.parse_args(["--record"]).record == run.RESULTS_MD
+    new = tmp_path / "new.md"
+    assert run.parse_args(["--record", str(new)]).record == new and not new.exists()  # probed, not left behind
     assert run.parse_args(["--skip", "e2e,peer"]).skip == {"e2e", "peer"}
     assert run.parse_args(["--batch-sizes", "4,1,4"]).batch_sizes == (4, 1)  # a repeat was measured twice
 
@@ -165,6 +167,7 @@ def test_a_second_process_builds_only_for_sections_after_the_first(argv, ahead):
     (["--tp-world-sizes", "1,3"], "splits over 1, 2, 4, 8 ranks (one process each), got '1,3'"),  # 8 kv heads
     (["--record", "/no/such/dir/RESULTS.md"], "argument --record: '/no/such/dir/RESULTS.md' must be a file in an "
                                               "existing directory"),
+    (["--record", "/proc/version"], "argument --record: cannot append to '/proc/version': "),  # before measuring
     (["--json", "."], "argument --json: '.' is a directory; name the file")])
 def test_bad_arguments_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -271,6 +271,11 @@ def test_report_command_names_what_is_wrong(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"edited.json does not hold what a `python -m bench run` of schema "
                                          r"inkling-bench/\d+ writes \(edited\?\): KeyError 'batches'"):
         report_(tmp_path / "edited.json")
+    huge = synthetic_result()
+    huge["wall_s"] = 10**400  # JSON's integers have no bound; a float of it has
+    (tmp_path / "edited.json").write_text(json.dumps(huge))
+    with pytest.raises(SystemExit, match=r"edited.json does not hold what .* \(edited\?\): OverflowError"):
+        report_(tmp_path / "edited.json")
     (tmp_path / "good.json").write_text(json.dumps(synthetic_result()))
     with pytest.raises(SystemExit, match=r"cannot write .*good.json/report.png: .*; choose another place with --out"):
         report_(tmp_path / "good.json", "--out", str(tmp_path / "good.json" / "report.png"))
