@@ -63,11 +63,18 @@ def save_checkpoint(path, config: MTPConfig, tensors: Mapping[str, torch.Tensor]
         index = _updated_index(path, files)
         _refuse_data_loss(path, files, has_index=index is not None)
     writers: dict[str, Callable[[Path], None]] = {
-        name: (lambda file, t=t: save_file(t, str(file), metadata={"format": "pt"})) for name, t in files.items()}
+        name: (lambda file, t=t, name=name: _save_tensors(t, file, name)) for name, t in files.items()}
     if index is not None:
         writers[INDEX_FILE] = lambda file: _write_json(file, index)
     writers[CONFIG_FILE] = lambda file: _write_json(file, config_json)  # renamed last
     write_files_atomically(path, writers)
+
+
+def _save_tensors(tensors: Mapping[str, torch.Tensor], file: Path, name: str) -> None:
+    try:
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    except SafetensorError as e:  # a full disk, say: safetensors' message names no file
+        raise OSError(f"could not write {name} into {file.parent}: {e}") from e
 
 
 def _files_to_write(tensors: Mapping[str, torch.Tensor], include_shared: bool):
