@@ -249,15 +249,19 @@ def generate(args, mesh) -> int:
                                     temperature=args.temperature, top_p=args.top_p, eos_token_id=eos,
                                     pad_token_id=pad, generator=gen, **media)
 
-    if not args.no_warmup:
-        run()
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = run()
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    try:
+        if not args.no_warmup:
+            run()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = run()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    except arguments.ArgumentError as e:  # the options were checked in parse_args: what the loop refuses here is the
+        # checkpoint's (its EOS / pad ids, say), so the line names it
+        return arguments.refused(PROG, arguments.ArgumentError(f"checkpoint {path}: {e}"))
 
     say(f"checkpoint: {path}")
     say(f"target: {type(target).__name__}, drafter compile={not args.no_compile}, device={args.device}, "

@@ -8,6 +8,7 @@ Eager and tiny: the tiny synthetic checkpoint (vocab 512, 2 depths), drafters wi
 from __future__ import annotations
 
 import gc
+import json
 import re
 import shutil
 import subprocess
@@ -358,6 +359,17 @@ def test_cli_reports_a_library_refusal_in_one_line(tiny_checkpoint, capsys):
     """An argument only the checkpoint can judge (more drafts than depths) is one line too, after loading."""
     line = _cli_error(["--checkpoint", str(tiny_checkpoint), "-k", "9", "--no-compile"], capsys)
     assert "num_speculative_tokens" in line and "9" in line
+
+
+def test_cli_reports_the_loops_refusal_of_a_checkpoint_eos_id_in_one_line(tiny_checkpoint, tmp_path, capsys):
+    """An EOS id outside the vocabulary in config.json is refused by speculative_generate, after build(): that was
+    a traceback."""
+    edited = shutil.copytree(tiny_checkpoint, tmp_path / "bad-eos")
+    config = json.loads((edited / "config.json").read_text())
+    config["text_config"]["eos_token_id"] = 100000
+    (edited / "config.json").write_text(json.dumps(config))
+    line = _cli_error(["--checkpoint", str(edited), "--no-compile", "--max-new-tokens", "2"], capsys)
+    assert str(edited) in line and "eos_token_id" in line and "100000" in line
 
 
 # ------------------------------------------------------------------------------------------------ text-target helpers
