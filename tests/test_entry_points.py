@@ -361,13 +361,39 @@ def test_cli_reports_a_library_refusal_in_one_line(tiny_checkpoint, capsys):
     assert "num_speculative_tokens" in line and "9" in line
 
 
+def edited_checkpoint(source, directory, section: str, **fields):
+    """A copy of the checkpoint ``source`` in ``directory`` with ``fields`` of its config.json's ``section`` set."""
+    edited = shutil.copytree(source, directory)
+    config = json.loads((edited / "config.json").read_text())
+    config[section].update(fields)
+    (edited / "config.json").write_text(json.dumps(config))
+    return edited
+
+
+TARGET_ONLY_FIELDS = [  # config.json fields only the target reads, and transformers' failure on each
+    ("vision_config", dict(patch_size=0), "vision_config.patch_size must be an int >= 1, got 0"),  # a hang
+    ("text_config", dict(num_experts_per_tok=9), r"num_experts_per_tok must be an int in \[1, 4\], got 9"),
+    ("text_config", dict(pad_token_id=100000), "Padding_idx must be within num_embeddings"),  # an AssertionError
+    ("audio_config", dict(n_mel_bins=-1), "negative dimension"),
+    ("text_config", dict(layer_types=["bogus", "hybrid"]), "layer_types` entries must be in"),
+    ("text_config", dict(num_hidden_layers=3), r"`num_hidden_layers` \(3\) must be equal to the number of")]
+
+
+@pytest.mark.parametrize("section, fields, message", TARGET_ONLY_FIELDS)
+def test_the_target_s_config_fields_are_one_line_naming_the_file(tiny_checkpoint, tmp_path, capsys, section, fields,
+                                                                 message):
+    """They pass the library's checks (the MTP's fields): transformers' own exceptions, from building the target or
+    its first forward, were tracebacks, and a patch size of 0 hung."""
+    edited = edited_checkpoint(tiny_checkpoint, tmp_path / "edited", section, **fields)
+    line = _cli_error(["--checkpoint", str(edited), "--no-compile", "--max-new-tokens", "2"], capsys)
+    assert f"{edited / 'config.json'}: transformers cannot build the target from it: " in line
+    assert re.search(message, line), line
+
+
 def test_cli_reports_the_loops_refusal_of_a_checkpoint_eos_id_in_one_line(tiny_checkpoint, tmp_path, capsys):
     """An EOS id outside the vocabulary in config.json is refused by speculative_generate, after build(): that was
     a traceback."""
-    edited = shutil.copytree(tiny_checkpoint, tmp_path / "bad-eos")
-    config = json.loads((edited / "config.json").read_text())
-    config["text_config"]["eos_token_id"] = 100000
-    (edited / "config.json").write_text(json.dumps(config))
+    edited = edited_checkpoint(tiny_checkpoint, tmp_path / "bad-eos", "text_config", eos_token_id=100000)
     line = _cli_error(["--checkpoint", str(edited), "--no-compile", "--max-new-tokens", "2"], capsys)
     assert str(edited) in line and "eos_token_id" in line and "100000" in line
 

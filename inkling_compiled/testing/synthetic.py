@@ -25,9 +25,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..arguments import integer
 from ..atomic_files import build_directory_atomically
 from ..checkpoint.layout import INDEX_FILE, MTP_FILE, MTP_PREFIX, SHARED_FILE, SHARED_RAW_KEYS
-from ..config import CONFIG_FILE
+from ..config import CONFIG_FILE, ConfigError
 from ..model.torchao_schemes import quiet_import
 
 FORMAT_VERSION = 1  # bump when the written bytes change for the same (config, seed, dtype)
@@ -451,11 +452,34 @@ def cached_checkpoint(preset: str, *, root=None, seed: int = 0, dtype: torch.dty
 # ----------------------------------------------------------------------------------------------------- loading
 
 def load_hf_target(path, dtype: torch.dtype = torch.float32):
-    """transformers' multimodal Inkling target from a raw-layout directory, eval mode."""
+    """transformers' multimodal Inkling target from a raw-layout directory, eval mode.
+
+    The library checks only the MTP's part of ``config.json``; what transformers refuses in the rest (the towers,
+    the target's own layers, experts, ids) as it builds or loads the target is a ConfigError naming the file with
+    transformers' message, not an AssertionError or RuntimeError from deep inside it."""
     with quiet_import():
+        from huggingface_hub.errors import StrictDataclassError
         from transformers import InklingForConditionalGeneration
 
-    return InklingForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
+    try:
+        config = InklingForConditionalGeneration.config_class.from_pretrained(str(path))
+        _sizes_transformers_trusts(config)
+        return InklingForConditionalGeneration.from_pretrained(str(path), config=config, dtype=dtype).eval()
+    except torch.OutOfMemoryError:  # a RuntimeError, but no fault of the file
+        raise
+    except (ValueError, TypeError, AssertionError, RuntimeError, KeyError, IndexError, StrictDataclassError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__  # the validator's cause is on a line of its own
+        raise ConfigError(f"{Path(path) / CONFIG_FILE}: transformers cannot build the target from it: {reason}") from e
+
+
+def _sizes_transformers_trusts(config) -> None:
+    """ArgumentError for the sizes transformers takes unchecked and fails on late: a patch size of 0 loops forever
+    in its prime factorisation, and a top-k above the experts fails only in the first forward."""
+    vision, text = getattr(config, "vision_config", None), config.get_text_config()
+    if vision is not None:
+        for name in ("patch_size", "temporal_patch_size"):
+            integer(f"vision_config.{name}", getattr(vision, name), minimum=1)
+    integer("text_config.num_experts_per_tok", text.num_experts_per_tok, minimum=1, maximum=text.n_routed_experts)
 
 
 def greedy_generation_config(target, max_new_tokens: int, *, eos_token_id=None):

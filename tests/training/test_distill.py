@@ -1,6 +1,7 @@
 """Self-distillation (``inkling_compiled.training.distill``): the spec's alignment, a loss that falls, an acceptance
 that rises, a result directory both libraries load."""
 
+import json
 import os
 import shutil
 from types import SimpleNamespace
@@ -218,3 +219,15 @@ def test_distill_command_line_reports_a_damaged_shard_in_one_line(tiny_checkpoin
     sorted(damaged.glob("model-*.safetensors"))[0].write_bytes(b"\x08")
     line = _cli_error([*QUICK_ARGV, "--checkpoint", str(damaged), "--out", str(tmp_path / "out")], capsys)
     assert "deserializing header" in line and not (tmp_path / "out").exists()
+
+
+def test_distill_command_line_reports_a_target_config_field_in_one_line(tiny_checkpoint, tmp_path, capsys):
+    """A field only the target reads (more experts per token than experts) was transformers' RuntimeError from the
+    first forward."""
+    edited = shutil.copytree(tiny_checkpoint, tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text())
+    config["text_config"]["num_experts_per_tok"] = 9
+    (edited / "config.json").write_text(json.dumps(config))
+    line = _cli_error([*QUICK_ARGV, "--checkpoint", str(edited), "--out", str(tmp_path / "out")], capsys)
+    assert f"{edited / 'config.json'}: transformers cannot build the target from it: " in line
+    assert "num_experts_per_tok must be an int in [1, 4], got 9" in line and not (tmp_path / "out").exists()
