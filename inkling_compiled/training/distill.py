@@ -13,9 +13,10 @@ part count for hard labels and agreement (a random prompt token is not predictab
 of the mean cross-entropy of ``compute_logits`` (muP included).
 
 The result is a new checkpoint directory that both transformers (target + ``MtpModel``) and ``InklingMTP`` load:
-``config.json`` and the index are copied, the target shards are hard-linked (copied across file systems), and
-``mtp.safetensors`` holds the trained depths in the stored dtype with the original raw keys. Directories are keyed
-by (source checkpoint, hyper-parameters, format) and reused, like ``testing.synthetic.cached_checkpoint``.
+the target's ``.safetensors`` shards are hard-linked (copied across file systems), every other file (``config.json``,
+the index) is copied, so that editing one in place leaves the source's alone, and ``mtp.safetensors`` holds the
+trained depths in the stored dtype with the original raw keys. Directories are keyed by (source checkpoint,
+hyper-parameters, format) and reused, like ``testing.synthetic.cached_checkpoint``.
 
     python -m inkling_compiled.training.distill [--config tiny] [--steps 300] [--out DIR]
 """
@@ -249,10 +250,15 @@ def default_out_dir(checkpoint_dir, **params) -> Path:
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    """A hard link for a tensor shard (never edited in place, and large), a copy of anything else (``config.json``
+    and the index are small and edited in place: a link would edit the source checkpoint's too)."""
+    if src.suffix == ".safetensors":
+        try:
+            os.link(src, dst)
+            return
+        except OSError:  # another file system
+            pass
+    shutil.copy2(src, dst)
 
 
 def _stored_mtp(checkpoint_dir: Path) -> tuple[set[str], torch.dtype]:
@@ -262,8 +268,9 @@ def _stored_mtp(checkpoint_dir: Path) -> tuple[set[str], torch.dtype]:
 
 
 def write_distilled(checkpoint_dir, mtp, out_dir, metrics: dict) -> Path:
-    """Copy the target checkpoint (shards hard-linked) into ``out_dir`` with ``mtp.safetensors`` replaced by
-    ``mtp``'s depths (raw layout, the stored dtype), atomically (temp sibling, then rename)."""
+    """Copy the target checkpoint (tensor shards hard-linked, see :func:`_link_or_copy`) into ``out_dir`` with
+    ``mtp.safetensors`` replaced by ``mtp``'s depths (raw layout, the stored dtype), atomically (temp sibling, then
+    rename)."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     keys, mtp_dtype = _stored_mtp(checkpoint_dir)
 

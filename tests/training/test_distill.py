@@ -103,6 +103,15 @@ def test_distill_reuses_a_finished_directory(quick_distilled, tiny_checkpoint):
     assert (quick_distilled / D.METRICS_FILE).stat().st_mtime_ns == stamp
 
 
+def test_only_the_tensor_shards_are_linked(quick_distilled, tiny_checkpoint):
+    """config.json and the index were hard links too: editing the distilled config.json in place edited the
+    source checkpoint's."""
+    for name in os.listdir(tiny_checkpoint):
+        if not name.endswith(".safetensors"):
+            assert not os.path.samefile(quick_distilled / name, tiny_checkpoint / name), name
+    assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(tiny_checkpoint))
+
+
 def test_default_out_dir_is_keyed_by_the_arguments(tiny_checkpoint):
     a = D.default_out_dir(tiny_checkpoint, **QUICK)
     assert a == D.default_out_dir(tiny_checkpoint, **QUICK)
