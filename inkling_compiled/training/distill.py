@@ -16,7 +16,8 @@ The result is a new checkpoint directory that both transformers (target + ``MtpM
 the target's ``.safetensors`` shards are hard-linked (copied across file systems), every other file (``config.json``,
 the index) is copied, so that editing one in place leaves the source's alone, and ``mtp.safetensors`` holds the
 trained depths in the stored dtype with the original raw keys. Directories are keyed by (source checkpoint,
-hyper-parameters, format) and reused, like ``testing.synthetic.cached_checkpoint``.
+hyper-parameters, format) and reused, like ``testing.synthetic.cached_checkpoint``; ``distill.json`` records what a
+directory was made with, and a directory made with other arguments is refused, not returned.
 
     python -m inkling_compiled.training.distill [--config tiny] [--steps 300] [--out DIR]
 """
@@ -294,9 +295,42 @@ def write_distilled(checkpoint_dir, mtp, out_dir, metrics: dict) -> Path:
     return build_directory_atomically(out_dir, build, complete=METRICS_FILE)
 
 
+METRICS_KEYS = ("source", "params", "format", "loss_first", "loss_last", "agreement_before", "agreement_after",
+                "total_seconds")  # what the reuse check and the command line's summary read
+
+
 def load_metrics(out_dir) -> dict:
-    """The ``distill.json`` written next to a distilled checkpoint (losses, agreement before / after, timings)."""
-    return json.loads((Path(out_dir) / METRICS_FILE).read_text())
+    """The ``distill.json`` written next to a distilled checkpoint (losses, agreement before / after, timings);
+    CheckpointError naming the file when it is no JSON object with :data:`METRICS_KEYS`."""
+    file = Path(out_dir) / METRICS_FILE
+    try:
+        metrics = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: not a distill.json (no JSON: {e})") from e
+    if not isinstance(metrics, dict):
+        raise CheckpointError(f"{file}: not a distill.json (a JSON {type(metrics).__name__}, not an object)")
+    missing = [key for key in METRICS_KEYS if key not in metrics]
+    if missing or not isinstance(metrics["params"], dict):
+        raise CheckpointError(f"{file}: not a distill.json "
+                              f"({'it lacks ' + ', '.join(missing) if missing else 'its params are no object'})")
+    return metrics
+
+
+def _check_reuse(out_dir: Path, checkpoint_dir: Path, params: dict, *, cli: bool = False) -> None:
+    """ArgumentError when the finished ``out_dir`` was distilled from another checkpoint or with other arguments
+    than ``params``: it was returned as this call's result. ``cli``: named as the command line's options."""
+    recorded = load_metrics(out_dir)
+    shown = (lambda key: "--" + key.replace("_", "-")) if cli else str
+    differ = [f"{shown(key)} {recorded['params'].get(key)!r} (asked {params.get(key)!r})"
+              for key in sorted({*params, *recorded["params"]}) if recorded["params"].get(key) != params.get(key)]
+    if Path(recorded["source"]).resolve() != checkpoint_dir.resolve():
+        differ.insert(0, f"the source {recorded['source']!r} (asked {str(checkpoint_dir)!r})")
+    if recorded["format"] != FORMAT_VERSION:
+        differ.append(f"format {recorded['format']!r} (this version writes {FORMAT_VERSION})")
+    if differ:
+        raise ArgumentError(f"{'--out' if cli else 'out_dir'} {str(out_dir)!r} holds a distillation made otherwise: "
+                            f"{'; '.join(differ)}; name another directory, or pass "
+                            f"{'--force' if cli else 'force=True'} to replace it")
 
 
 # ------------------------------------------------------------------------------------------------------------- API
@@ -314,10 +348,12 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
     then decide those three numbers.
 
     ``out_dir`` defaults to a cache directory keyed by the checkpoint and every argument; an existing complete
-    directory is returned as is unless ``force``. Seeded: the same arguments give the same weights (CPU, fp32).
-    Metrics (loss history, depth agreement before / after on ``eval_sequences`` held-out sequences, timings) are in
-    ``out_dir/distill.json`` (:func:`load_metrics`). ``soft``: cross-entropy against the target's full next-token
-    distribution (default; learns faster, overfits less) instead of its greedy token (see :func:`mtp_loss`).
+    directory is returned as is unless ``force``, if its ``distill.json`` records this checkpoint and these
+    arguments (one made otherwise is an ArgumentError naming what differs). Seeded: the same arguments give the
+    same weights (CPU, fp32). Metrics (loss history, depth agreement before / after on ``eval_sequences`` held-out
+    sequences, timings) are in ``out_dir/distill.json`` (:func:`load_metrics`). ``soft``: cross-entropy against the
+    target's full next-token distribution (default; learns faster, overfits less) instead of its greedy token (see
+    :func:`mtp_loss`).
     """
     from ..model.mtp import InklingMTP
 
@@ -336,6 +372,7 @@ def distill(checkpoint_dir, out_dir=None, *, steps: int = DEFAULTS["steps"], seq
         params["prompts"] = prompts_digest(prompts, eval_prompts)
     out_dir = arguments.path("out_dir", out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, **params)
     if (out_dir / METRICS_FILE).is_file() and not force:
+        _check_reuse(out_dir, checkpoint_dir, params)
         _log(f"cached: {out_dir}", progress)
         return out_dir
     _check_out_dir(out_dir, checkpoint_dir)
@@ -435,10 +472,12 @@ def main(argv=None) -> int:
         open_checkpoint(checkpoint)  # the library's own checks of config and files, before transformers reads them
         if args.out is not None:
             _check_out_dir(args.out, checkpoint, "--out")
+            if (args.out / METRICS_FILE).is_file() and not args.force:
+                _check_reuse(args.out, checkpoint, params, cli=True)
         out = distill(checkpoint, args.out, force=args.force, **params)
+        metrics = load_metrics(out)
     except (ArgumentError, ConfigError, CheckpointError, OSError, SafetensorError) as e:  # not a bug's ValueError
         return arguments.refused(PROG, e)
-    metrics = load_metrics(out)
     print(json.dumps({"out_dir": str(out), "agreement_before": metrics["agreement_before"],
                       "agreement_after": metrics["agreement_after"], "loss_first": metrics["loss_first"],
                       "loss_last": metrics["loss_last"], "total_seconds": metrics["total_seconds"]}, indent=2))

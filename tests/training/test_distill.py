@@ -103,6 +103,36 @@ def test_distill_reuses_a_finished_directory(quick_distilled, tiny_checkpoint):
     assert (quick_distilled / D.METRICS_FILE).stat().st_mtime_ns == stamp
 
 
+def test_distill_refuses_a_directory_made_with_other_arguments(quick_distilled, tiny_checkpoint, tmp_path,
+                                                                monkeypatch):
+    """It was returned as the result of any call naming it: another preset's or other steps' distillation."""
+    monkeypatch.setattr(D, "load_hf_target", lambda *args, **kwargs: pytest.fail("the target was loaded"))
+    with pytest.raises(ArgumentError, match=rf"holds a distillation made otherwise: steps {QUICK['steps']} \(asked "
+                                            rf"{QUICK['steps'] + 1}\); name another directory, or pass force=True"):
+        D.distill(tiny_checkpoint, quick_distilled, progress=False, **{**QUICK, "steps": QUICK["steps"] + 1})
+    other = shutil.copytree(tiny_checkpoint, tmp_path / "other-source")
+    with pytest.raises(ArgumentError, match=r"made otherwise: the source .*other-source"):
+        D.distill(other, quick_distilled, progress=False, **QUICK)
+
+
+def test_distill_command_line_refuses_an_out_made_with_other_arguments(quick_distilled, capsys, monkeypatch):
+    monkeypatch.setattr(D, "load_hf_target", lambda *args, **kwargs: pytest.fail("the target was loaded"))
+    line = _cli_error([*QUICK_ARGV, "--out", str(quick_distilled)], capsys)
+    assert f"--out {str(quick_distilled)!r} holds a distillation made otherwise: " in line
+    assert f"--steps {QUICK['steps']} (asked 2)" in line and line.endswith("or pass --force to replace it")
+
+
+@pytest.mark.parametrize("text, problem", [("{not json", "no JSON"), ("{}", "it lacks source, params"),
+                                           ("[]", "a JSON list, not an object"), ('{"params": 3}', "it lacks source")])
+def test_distill_command_line_names_a_damaged_distill_json(tmp_path, capsys, monkeypatch, text, problem):
+    """It was a JSONDecodeError or KeyError traceback."""
+    monkeypatch.setattr(D, "load_hf_target", lambda *args, **kwargs: pytest.fail("the target was loaded"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / D.METRICS_FILE).write_text(text)
+    line = _cli_error([*QUICK_ARGV, "--out", str(tmp_path / "out")], capsys)
+    assert f"{tmp_path / 'out' / D.METRICS_FILE}: not a distill.json" in line and problem in line
+
+
 def test_only_the_tensor_shards_are_linked(quick_distilled, tiny_checkpoint):
     """config.json and the index were hard links too: editing the distilled config.json in place edited the
     source checkpoint's."""
