@@ -194,7 +194,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    "holds 64 more)")
     p.add_argument("--weights", choices=("checkpoint", "random"),
                    help="checkpoint (shared by both libraries; tiny/small default) or random (full default)")
-    p.add_argument("--threads", type=count, help="torch intra-op threads on CPU (default 1)")
+    p.add_argument("--threads", type=arguments.threads_option, help="torch intra-op threads on CPU (default 1)")
     p.add_argument("--time-budget", type=seconds, help="seconds of timing per latency run")
     p.add_argument("--recompile-steps", type=count, help="steps at moving positions in the compile probe")
     p.add_argument("--probe-timeout", type=seconds, default=600.0, help="seconds before a fresh-process probe is cut")

@@ -19,6 +19,11 @@ from pathlib import Path
 
 import torch
 
+# The most intra-op threads a --threads option takes: above the hardware threads of the largest hosts (a few hundred),
+# where more only oversubscribe the cores, and far inside the C int torch.set_num_threads takes (10**20 was its
+# "Overflow when unpacking long long" traceback).
+MAX_THREADS = 1024
+
 # Below this a sampling temperature is greedy decoding up to float rounding, and its reciprocal (or logits divided by
 # it) overflows float32: it is refused, with 0 (greedy) as the way to ask for that.
 MIN_TEMPERATURE = 1e-6
@@ -95,6 +100,15 @@ def positive_int_option(value: str) -> int:
         number = 0
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value!r}")
+    return number
+
+
+def threads_option(value: str) -> int:
+    """An argparse type: a count of torch intra-op threads, in [1, :data:`MAX_THREADS`]."""
+    number = positive_int_option(value)
+    if number > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be an int in [1, {MAX_THREADS}] (torch intra-op threads), "
+                                         f"got {value!r}")
     return number
 
 

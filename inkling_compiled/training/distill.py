@@ -452,7 +452,7 @@ def main(argv=None) -> int:
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--hard-labels", dest="soft", action="store_false",
                         help="train on the greedy tokens instead of the target's next-token distribution")
-    parser.add_argument("--threads", type=arguments.positive_int_option, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=arguments.threads_option, default=None, help="torch intra-op threads")
     parser.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
     args = parser.parse_args(argv)
     params = {name: getattr(args, name) for name in DEFAULTS}

@@ -482,7 +482,7 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--reduced", action="store_true", help="the seconds-long recipe the tests use")
     parser.add_argument("--force", action="store_true", help="rebuild even if a cached result exists")
-    parser.add_argument("--threads", type=arguments.positive_int_option, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=arguments.threads_option, default=None, help="torch intra-op threads")
     parser.add_argument("--root", type=arguments.writable_directory_option,
                         help="cache root (default: the checkpoint cache)")
     args = parser.parse_args(argv)

@@ -146,6 +146,8 @@ def test_a_second_process_builds_only_for_sections_after_the_first(argv, ahead):
     (["--tp-world-sizes", "1,0"], "--tp-world-sizes: must name one or more integers, each >= 1, got '1,0'"),
     (["--context", "-1"], "argument --context: must be an int >= 1, got '-1'"),
     (["--threads", "0"], "argument --threads: must be an int >= 1, got '0'"),  # was silently 1
+    (["--threads", str(10**20)], "argument --threads: must be an int in [1, 1024] (torch intra-op threads), got "
+                                 "'100000000000000000000'"),  # was torch.set_num_threads' OverflowError
     (["--time-budget", "-1"], "argument --time-budget: must be a number > 0, got '-1'"),
     (["--probe-timeout", "nan"], "argument --probe-timeout: must be a number > 0, got 'nan'"),
     (["--e2e-tokens", "0"], "argument --e2e-tokens: must be an int >= 1, got '0'"),

@@ -226,6 +226,7 @@ def _cli_error(argv, capsys) -> str:
 @pytest.mark.parametrize("argv, message", [
     (["--eval-sequences", "0"], "--eval-sequences must be an int >= 1, got 0"),
     (["--threads", "-1"], "argument --threads: must be an int >= 1, got '-1'"),
+    (["--threads", str(10**20)], "argument --threads: must be an int in [1, 1024]"),  # torch's OverflowError
     (["--config", "bogus"], "argument --config: invalid choice: 'bogus'"),  # was a ValueError traceback
     (["--config", ""], "argument --config: invalid choice: ''"),
     (["--checkpoint", "{tmp}/nowhere"], "--checkpoint '{tmp}/nowhere': no such directory"),  # transformers' OSErrors

@@ -280,11 +280,14 @@ def test_generate_cli_prints_decoded_text(built, monkeypatch, capsys):
     assert f"[0] prompt (24 bytes):\n{prompt}\n[0] generated (8 tokens):\n" in out
 
 
-def test_build_command_line_refuses_a_thread_count_below_one(capsys):
-    """--threads 0 was ignored, -1 a RuntimeError from torch.set_num_threads."""
+@pytest.mark.parametrize("threads, message", [
+    ("0", "must be an int >= 1, got '0'"),
+    (str(10**20), "must be an int in [1, 1024] (torch intra-op threads), got '100000000000000000000'")])
+def test_build_command_line_refuses_a_thread_count_out_of_range(capsys, threads, message):
+    """--threads 0 was ignored, -1 a RuntimeError from torch.set_num_threads, 10**20 its OverflowError."""
     with pytest.raises(SystemExit):
-        T.main(["--threads", "0"])
-    assert "argument --threads: must be an int >= 1, got '0'" in capsys.readouterr().err
+        T.main(["--threads", threads])
+    assert f"argument --threads: {message}" in capsys.readouterr().err
 
 
 def test_a_root_holding_files_is_not_probed_for_writing(tmp_path, monkeypatch):
