@@ -198,8 +198,8 @@ def test_a_refused_or_damaged_entry_is_removed_and_rebuilt(model, built, tmp_pat
     DAMAGES[damage](shutil.copytree(entry, tmp_path / entry.name))
     builds = []
 
-    def rebuild(drafter, directory, buckets, rows):  # the build, without its two AOTInductor compiles
-        builds.append(([b.key for b in buckets], rows))
+    def rebuild(drafter, directory, buckets, rows, cache):  # the build, without its two AOTInductor compiles
+        builds.append(([b.key for b in buckets], rows, cache))
         return shutil.copytree(entry, directory)
 
     monkeypatch.setattr(packaged, "save_rounds", rebuild)
@@ -207,7 +207,8 @@ def test_a_refused_or_damaged_entry_is_removed_and_rebuilt(model, built, tmp_pat
     with caplog.at_level(logging.INFO, logger=round_cache.__name__):
         assert decode(drafter, 8) == drafts[:8]
         decode(cached_drafter(model), 8)  # the rebuilt entry is reused: nothing more is built, nothing logged
-    assert builds == [([(1, K, False)], ROWS)] and drafter.packaged_buckets == SERVED  # once, for every width
+    # once, for every width; a concurrent builder's entry would serve as well (packaged.save's cache)
+    assert builds == [([(1, K, False)], ROWS, True)] and drafter.packaged_buckets == SERVED
     started, ended = caplog.records  # the build is logged when it starts and, with its seconds, when it ends
     assert f"packaging the K = {K} round of batch bucket 1 (greedy, 3 to 256 rows)" in started.getMessage()
     assert ended.build_s >= 0 and "packaged the round of batch bucket 1 (greedy) in" in ended.getMessage()
@@ -221,7 +222,7 @@ def test_a_failed_build_warns_and_runs_the_compiled_round(model, built, tmp_path
 
     tried = []
 
-    def broken(drafter, directory, buckets, rows):
+    def broken(drafter, directory, buckets, rows, cache):
         tried.append(rows)
         raise OSError("no space left on device")
 
