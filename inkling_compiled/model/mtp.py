@@ -94,16 +94,16 @@ class InklingMTP(nn.Module):
         (docs/model.md §11); with ``target`` the LM-head shard is a view of the target's own head.
         """
         parallel = TensorParallel.from_mesh(device_mesh) if device_mesh is not None else None
-        if parallel is not None and quantize is not None:
-            raise ArgumentError(f"quantize={quantize!r} with device_mesh=: quantized tensor-parallel models are not "
-                                "supported; load unquantized, or without a mesh")
-        arguments.check_bool("quantize_head", quantize_head)
-        if quantize is not None:
-            int8.check_scheme(quantize)
-            if dtype is None and target is None:
-                dtype = int8.ACTIVATION_DTYPE
+        if quantize is not None and dtype is None and target is None:
+            dtype = int8.ACTIVATION_DTYPE
 
-        def read():
+        def read():  # every check in here: on a tensor-parallel rank, a refusal is one on every rank
+            if parallel is not None and quantize is not None:
+                raise ArgumentError(f"quantize={quantize!r} with device_mesh=: quantized tensor-parallel models are "
+                                    "not supported; load unquantized, or without a mesh")
+            arguments.check_bool("quantize_head", quantize_head)
+            if quantize is not None:
+                int8.check_scheme(quantize)
             checkpoint = open_checkpoint(path, num_depths=num_depths, mtp_log_scaling=mtp_log_scaling)
             with torch.device("meta"):
                 model = cls(checkpoint.config, parallel)

@@ -59,11 +59,15 @@ CHECKSUM = "contents of "  # the prefix of the fields :meth:`TensorParallel.agre
 def checksum(t: torch.Tensor, most: int = 1 << 18) -> torch.Tensor:
     """A 0-d int64 tensor on ``t``'s device: an exact, order-sensitive checksum of the bits of ``t``'s elements (each
     as an integer, weighted by its index modulo a prime; integer sums are exact in any order, so equal values give
-    the same number on every rank whatever its threads or kernels), over at most ``most`` of them, evenly strided:
+    the same number on every rank whatever its threads or kernels; -0.0 counts as 0.0), over at most ``most`` of
+    them, evenly strided:
     another checkpoint or input differs nearly everywhere, and every element would cost a second per 32 M on one
     CPU thread (a full-size head's replicated tensors: tens of seconds)."""
     flat = t.detach().reshape(-1)
-    flat = flat.view(_BITS[flat.element_size()])[::max(1, -(-flat.numel() // most))].long()
+    flat = flat[::max(1, -(-flat.numel() // most))]
+    if flat.is_floating_point():
+        flat = flat + 0.0  # -0.0 as 0.0: equal values, other bits
+    flat = flat.view(_BITS[flat.element_size()]).long()
     return (flat * (torch.arange(flat.numel(), device=flat.device) % 65521 + 1)).sum()
 
 

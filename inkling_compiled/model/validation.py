@@ -56,29 +56,33 @@ def check_inputs(model: nn.Module, input_ids: torch.Tensor | None, positions: to
     """
     if model.parallel is not None:  # every rank the same inputs, or an error on every rank
         def run():
-            checked = _check_inputs(model, input_ids, positions, previous_hidden, cache, depth, inputs_embeds,
-                                    drafting)
-            return checked, _input_fields(*checked, previous_hidden, cache, depth, inputs_embeds, drafting)
-        return model.parallel.agree("the inputs", INPUT_FIELDS, run, fix="Every rank passes the same inputs: the "
-                                    "ranks split the weights, not the rows.")
-    return _check_inputs(model, input_ids, positions, previous_hidden, cache, depth, inputs_embeds, drafting)
+            checked = checked_inputs_here(model, input_ids, positions, previous_hidden, cache, depth, inputs_embeds,
+                                          drafting)
+            return checked, input_fields(*checked, previous_hidden, cache, depth, inputs_embeds, drafting)
+        return model.parallel.agree("the inputs", INPUT_FIELDS, run, fix=SAME_INPUTS)
+    return checked_inputs_here(model, input_ids, positions, previous_hidden, cache, depth, inputs_embeds, drafting)
 
 
 # What tensor-parallel ranks compare of a call's inputs (padding rows' contents aside: they reach no output)
 INPUT_FIELDS = ("batch", "rows", "depth", "inputs_embeds given", CHECKSUM + "input_ids / inputs_embeds",
-                CHECKSUM + "positions", CHECKSUM + "previous_hidden")
+                CHECKSUM + "positions", CHECKSUM + "previous_hidden", "cache batch_size", "cache max_length")
+SAME_INPUTS = "Every rank passes the same inputs: the ranks split the weights, not the rows."
 
 
-def _input_fields(input_ids, positions, previous_hidden, cache, depth, inputs_embeds, drafting) -> dict:
+def input_fields(input_ids, positions, previous_hidden, cache, depth, inputs_embeds, drafting) -> dict:
+    """:data:`INPUT_FIELDS` of checked inputs (``input_ids`` and ``positions`` as int64)."""
     real = positions >= 0 if drafting or cache is None else positions != cache.pad_position
     given = input_ids.masked_fill(~real, 0) if input_ids is not None else inputs_embeds.where(real[..., None], 0)
     return {"batch": positions.shape[0], "rows": positions.shape[1], "depth": depth,
             "inputs_embeds given": int(inputs_embeds is not None), CHECKSUM + "input_ids / inputs_embeds":
             checksum(given), CHECKSUM + "positions": checksum(positions.masked_fill(~real, -1)),
-            CHECKSUM + "previous_hidden": checksum(previous_hidden.where(real[..., None], 0))}
+            CHECKSUM + "previous_hidden": checksum(previous_hidden.where(real[..., None], 0)),
+            "cache batch_size": cache.batch_size if cache is not None else 0,
+            "cache max_length": cache.max_length if cache is not None else 0}
 
 
-def _check_inputs(model, input_ids, positions, previous_hidden, cache, depth, inputs_embeds, drafting):
+def checked_inputs_here(model, input_ids, positions, previous_hidden, cache, depth, inputs_embeds, drafting):
+    """:func:`check_inputs` on this rank alone (a caller agreeing with the other ranks itself: the Drafter)."""
     check_parameters(model)
     h, n = model.config.hidden_size, model.config.num_depths
     if not arguments.is_int(depth):

@@ -45,9 +45,15 @@ import torch
 
 from .. import arguments
 from ..arguments import ArgumentError
+from ..model import validation
 from ..model.mtp import InklingMTP
+from ..model.tensor_parallel import CHECKSUM, checksum
 from ..torch_version import BEFORE_2_13
 from . import packaged, round_cache
+
+# What tensor-parallel ranks compare of a validated draft call, beyond the model's inputs (Drafter._checked_spans)
+DRAFT_FIELDS = (*validation.INPUT_FIELDS, "num_speculative_tokens", CHECKSUM + "inputs_embeds",
+                CHECKSUM + "temperature", CHECKSUM + "the generator's state")
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 # Compiled graphs per code object: (batch buckets x row buckets x greedy/sampled), times the two depth geometries for
@@ -471,9 +477,7 @@ class Drafter:
         spans, given_rows = None, inputs_embeds is not None
         if validate is not False:  # the loop's hot path passes False: anything else is checked, itself included
             arguments.check_bool("validate", validate)
-            spans = self._checked_spans(input_ids, positions, hidden, inputs_embeds)
-            arguments.temperature(temperature)
-            arguments.generator(generator, self.model.device)
+            spans = self._checked_spans(input_ids, positions, hidden, inputs_embeds, temperature, generator)
             if self.history is not None:
                 input_ids, positions, hidden, inputs_embeds = self._with_history(input_ids, positions, hidden,
                                                                                  inputs_embeds, spans)
@@ -514,8 +518,29 @@ class Drafter:
         new rows start past the positions earlier validated calls wrote (two host syncs)."""
         self._checked_spans(input_ids, positions, hidden, inputs_embeds)
 
-    def _checked_spans(self, input_ids, positions, hidden, inputs_embeds) -> list[tuple[int, int]]:
-        """:meth:`check`, then each sequence's first and last real position."""
+    def _checked_spans(self, input_ids, positions, hidden, inputs_embeds, temperature=0.0,
+                       generator=None) -> list[tuple[int, int]]:
+        """:meth:`check` (and the sampling arguments), then each sequence's first and last real position. A
+        tensor-parallel model's ranks compare what they were given, and this drafter's K and cache, in one exchange
+        after every check (:meth:`TensorParallel.agree`): a refusal on one rank is then one on every rank."""
+        if self.model.parallel is None:
+            return self._spans_here(input_ids, positions, hidden, inputs_embeds, temperature, generator)[0]
+
+        def run():
+            spans, ids, positions64 = self._spans_here(input_ids, positions, hidden, inputs_embeds, temperature,
+                                                       generator)
+            real = positions64 >= 0
+            state = generator.get_state() if generator is not None else torch.zeros(0, dtype=torch.uint8)
+            return spans, {**validation.input_fields(ids, positions64, hidden, self.cache, 0, None, drafting=True),
+                           "num_speculative_tokens": self.num_speculative_tokens,
+                           CHECKSUM + "inputs_embeds": 0 if inputs_embeds is None else checksum(
+                               inputs_embeds.where(real[..., None], 0)),
+                           CHECKSUM + "temperature": checksum(torch.tensor(float(temperature), dtype=torch.float64)),
+                           CHECKSUM + "the generator's state": checksum(state)}
+        return self.model.parallel.agree("the draft's inputs", DRAFT_FIELDS, run, fix=validation.SAME_INPUTS)
+
+    def _spans_here(self, input_ids, positions, hidden, inputs_embeds, temperature, generator):
+        """:meth:`_checked_spans` on this rank alone: (spans, input_ids and positions as int64)."""
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
             got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
             raise ArgumentError(f"positions must be a [batch, rows] tensor, got {got}")
@@ -524,7 +549,8 @@ class Drafter:
             raise ArgumentError(f"positions: a batch of {batch} sequences exceeds the drafter's max_batch_size "
                                 f"{self.max_batch_size}")
         self.check_model_unchanged()
-        _, positions = self.model.check_inputs(input_ids, positions, hidden, self.cache, drafting=True)  # as int64
+        input_ids, positions = validation.checked_inputs_here(self.model, input_ids, positions, hidden, self.cache, 0,
+                                                              None, drafting=True)  # as int64
         if inputs_embeds is not None and (not isinstance(inputs_embeds, torch.Tensor)
                                           or inputs_embeds.shape != hidden.shape
                                           or inputs_embeds.dtype != self.model.dtype
@@ -553,7 +579,9 @@ class Drafter:
                                     f"the {k - 1} rows before a call's first row from the last {k} it was given, which "
                                     f"end at position {written - 1}: start at {written - 1} or {written} (or at 0, a "
                                     "new sequence)")
-        return list(zip(firsts, lasts))
+        arguments.temperature(temperature)
+        arguments.generator(generator, self.model.device)
+        return list(zip(firsts, lasts)), input_ids, positions
 
     def _with_history(self, input_ids, positions, hidden, inputs_embeds, spans: list[tuple[int, int]]):
         """A validated K > 1 call, with each continuing sequence's K - 1 rows before its first prepended from the

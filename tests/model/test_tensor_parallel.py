@@ -163,7 +163,9 @@ def _disagreements(mesh, path, other) -> dict:
            "load fewer depths": _outcome(lambda: InklingMTP.from_pretrained(path, device_mesh=mesh,
                                                                             num_depths=1 if one else None)),
            "load missing path": _outcome(lambda: InklingMTP.from_pretrained(path.parent / "missing" if one else path,
-                                                                            device_mesh=mesh))}
+                                                                            device_mesh=mesh)),
+           "load quantized": _outcome(lambda: InklingMTP.from_pretrained(path, device_mesh=mesh,
+                                                                         quantize="int8" if one else None))}
     target = load_hf_target(path)
     target.generation_config.eos_token_id = None
     tp = InklingMTP.from_pretrained(path, target=target, device_mesh=mesh)
@@ -174,12 +176,24 @@ def _disagreements(mesh, path, other) -> dict:
                                                hidden[:2 if one else 1]))
     out["forward ids"] = _outcome(lambda: tp(ids + int(one), positions, hidden))
     out["forward bad id"] = _outcome(lambda: tp(ids + 10_000 * int(one), positions, hidden))
+    out["forward cache"] = _outcome(lambda: tp(ids, positions, hidden, cache=tp.new_cache(2, 8) if one else None))
     # padding rows (negative positions) may hold anything: they reach no output
     padded_ids, padded_positions, padded_hidden = ids.clone(), positions - 2, hidden.clone()
     padded_ids[:, :2] = int(one)
     padded_hidden[:, :2] = float("nan") if one else 0.0
     drafter = Drafter(tp, 2, 16, compile=False)
     out["padding rows"] = drafter.draft(padded_ids, padded_positions, padded_hidden).drafts
+    rows = ids, positions, hidden
+    embeds = tp.embed_tokens(ids)
+    out["draft inputs_embeds"] = _outcome(lambda: Drafter(tp, 2, 16, compile=False).draft(
+        *rows, inputs_embeds=embeds + int(one)))
+    out["draft temperature"] = _outcome(lambda: Drafter(tp, 2, 16, compile=False).draft(
+        *rows, temperature=0.8 if one else 0.0, generator=torch.Generator().manual_seed(0)))
+    out["draft K"] = _outcome(lambda: Drafter(tp, 2, 16, compile=False, num_speculative_tokens=1 if one else 2).draft(
+        *rows))
+    out["draft bad temperature"] = _outcome(lambda: Drafter(tp, 2, 16, compile=False).draft(
+        *rows, temperature=-1.0 if one else 0.0))
+    out["draft max_batch_size"] = _outcome(lambda: Drafter(tp, 1 if one else 2, 16, compile=False).draft(*rows))
     prompts = torch.randint(8, tp.config.logits_vocab_size, (2, 5), generator=gen)
     out["generate prompt"] = _outcome(lambda: speculative_generate(target, drafter, prompts + int(one),
                                                                    max_new_tokens=4))
@@ -214,12 +228,23 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tp_checkpoint, tmp_path):
         assert got["generate prompt"].startswith(differ.format(what="speculative decoding's arguments")
                                                  + "contents of input_ids."), got["generate prompt"]
         assert got["generate() prompt"] == got["generate prompt"]
+        assert got["forward cache"].startswith(differ.format(what="the inputs") + "cache batch_size (rank 0: 0, "
+                                               "rank 1: 2); cache max_length (rank 0: 0, rank 1: 8).")
+        draft = differ.format(what="the draft's inputs")
+        assert got["draft inputs_embeds"].startswith(draft + "contents of inputs_embeds."), got["draft inputs_embeds"]
+        assert got["draft temperature"].startswith(draft + "contents of temperature."), got["draft temperature"]
+        assert got["draft K"].startswith(draft + "num_speculative_tokens (rank 0: 2, rank 1: 1)."), got["draft K"]
         assert got["generate seed"].startswith(differ.format(what="speculative decoding's arguments")
                                                + "contents of the generator's state."), got["generate seed"]
     zero, one = ranks
     assert zero["load missing path"].startswith(refused.format(what="the checkpoints"))
     assert one["load missing path"].startswith("FileNotFoundError: checkpoint directory ")
     assert zero["forward bad id"].startswith(refused.format(what="the inputs"))
+    for case, own in (("load quantized", "quantize='int8' with device_mesh="), ("draft bad temperature",
+                      "temperature must be 0"), ("draft max_batch_size", "exceeds the drafter's max_batch_size 1")):
+        assert zero[case].startswith(refused.format(what="the draft's inputs" if "draft" in case else
+                                                    "the checkpoints")), zero[case]
+        assert one[case].startswith("ArgumentError: " + own) or own in one[case], one[case]
     assert one["forward bad id"].startswith("ArgumentError: token id ") and "out of range" in one["forward bad id"]
     assert torch.equal(zero["padding rows"], one["padding rows"])
     assert torch.equal(zero["sequences"], one["sequences"])
@@ -373,8 +398,8 @@ def test_each_rank_reads_only_slices(tp_checkpoint, monkeypatch):
 
 
 def test_checksum_is_exact_and_order_sensitive():
-    """What ranks compare (TensorParallel.agree): equal values give equal sums in any layout; a swap of two
-    elements, one flipped bit or -0.0 for 0.0 changes them; in a large tensor (strided), a changed row does."""
+    """What ranks compare (TensorParallel.agree): equal values give equal sums in any layout (-0.0 and 0.0 alike); a
+    swap of two elements or one flipped bit changes them; in a large tensor (strided), a changed row does."""
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(3, 1000, generator=gen)
     assert checksum(t).dtype == torch.int64 and int(checksum(t)) == int(checksum(t.t().contiguous().t()))
@@ -382,7 +407,7 @@ def test_checksum_is_exact_and_order_sensitive():
     swapped[0, :2] = t[0, :2].flip(0)
     flipped.view(torch.int32)[-1, -1] ^= 1
     assert len({int(checksum(x)) for x in (t, swapped, flipped)}) == 3
-    assert int(checksum(torch.zeros(4))) != int(checksum(torch.tensor([0.0, -0.0, 0.0, 0.0])))
+    assert int(checksum(torch.zeros(4))) == int(checksum(torch.tensor([0.0, -0.0, 0.0, 0.0])))
     for other in (t.bfloat16(), t > 0, t.long()):  # every element size
         assert int(checksum(other)) == int(checksum(other.clone()))
     large = torch.randn(4096, 1024, generator=gen)
