@@ -152,15 +152,20 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     when rows keep different numbers of tokens). ``media``: the image / audio inputs given (their contents are
     checked where the target's rows are merged). A tensor-parallel drafter's ranks compare them all in one exchange
     (:meth:`TensorParallel.agree`): the ranks split the weights, so each must decode the same batch."""
-    def run():
-        checked = _checked_arguments(target, drafter, input_ids, attention_mask, max_new_tokens, temperature, top_p,
-                                     generator, lockstep, eos_token_id, pad_token_id)
+    def checked():
+        validated = _checked_arguments(target, drafter, input_ids, attention_mask, max_new_tokens, temperature,
+                                        top_p, generator, lockstep, eos_token_id, pad_token_id)
         check_drafter_takes_rows(drafter, media)
-        return checked, _generation_fields(*checked, max_new_tokens, temperature, top_p, generator, lockstep, media)
+        return validated
+
+    def run():
+        validated = checked()
+        return validated, _generation_fields(*validated, max_new_tokens, temperature, top_p, generator, lockstep,
+                                              media)
 
     parallel = getattr(getattr(drafter, "model", None), "parallel", None)
     if parallel is None:
-        return run()[0]
+        return checked()
     return parallel.agree("speculative decoding's arguments", GENERATION_FIELDS, run, fix="Every rank passes the "
                           "same prompt and options, and a generator seeded alike.")
 
