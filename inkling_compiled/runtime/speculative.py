@@ -154,14 +154,14 @@ def _validate(target, drafter, input_ids, attention_mask, max_new_tokens, temper
     (:meth:`TensorParallel.agree`): the ranks split the weights, so each must decode the same batch."""
     def checked():
         validated = _checked_arguments(target, drafter, input_ids, attention_mask, max_new_tokens, temperature,
-                                        top_p, generator, lockstep, eos_token_id, pad_token_id)
+                                       top_p, generator, lockstep, eos_token_id, pad_token_id)
         check_drafter_takes_rows(drafter, media)
         return validated
 
     def run():
         validated = checked()
         return validated, _generation_fields(*validated, max_new_tokens, temperature, top_p, generator, lockstep,
-                                              media)
+                                             media)
 
     parallel = getattr(getattr(drafter, "model", None), "parallel", None)
     if parallel is None:
