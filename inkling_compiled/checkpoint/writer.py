@@ -118,8 +118,9 @@ def _updated_index(path: Path, files: Mapping[str, Iterable[str]]) -> dict | Non
 
 def _refuse_other_model(path: Path, config_json: dict) -> None:
     """Refuse a save over a config.json that describes another model: it is the target's too, and replacing it
-    would leave the target's shards described by this model's sizes. What a save of the same model may change (its
-    depth count, its dtype) is not compared; a config.json that does not parse holds nothing to keep."""
+    would leave the target's shards described by this model's sizes. What a save of the same model may change (the
+    MTP's own settings, its depth count, its dtype) is not compared; a config.json that does not parse holds nothing
+    to keep."""
     try:
         there = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -131,7 +132,8 @@ def _refuse_other_model(path: Path, config_json: dict) -> None:
                               f"{' ...' if len(names) > 5 else ''} differ from this model's): save to a new directory")
 
 
-_DEPTH_SETTINGS = {"dtype", "torch_dtype", "num_mtp_layers", "mtp_local_layer_ids", "mtp_config"}
+# the settings a save of the same model may change: the MTP's own, its depth count, the dtype
+_MTP_SETTINGS = {"dtype", "torch_dtype", "num_mtp_layers", "mtp_local_layer_ids", "mtp_config"}
 
 
 def _flat_settings(config: object, prefix: str = "") -> dict[str, str]:
@@ -141,7 +143,7 @@ def _flat_settings(config: object, prefix: str = "") -> dict[str, str]:
         return {}
     flat = {}
     for key, value in config.items():
-        if key in _DEPTH_SETTINGS:
+        if key in _MTP_SETTINGS:
             continue
         if isinstance(value, dict):
             flat.update(_flat_settings(value, f"{prefix}{key}."))
