@@ -119,14 +119,16 @@ def _updated_index(path: Path, files: Mapping[str, Iterable[str]]) -> dict | Non
 def _refuse_other_model(path: Path, config_json: dict) -> None:
     """Refuse a save over a config.json that describes another model: it is the target's too, and replacing it
     would leave the target's shards described by this model's sizes. What a save of the same model may change (the
-    MTP's own settings, its depth count, its dtype) is not compared; a config.json that does not parse holds nothing
-    to keep."""
+    MTP's own settings, its depth count, its dtype) is not compared; a config.json that is not a JSON object holds
+    nothing to keep."""
     try:
         there = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return
-    differ = sorted(set(_flat_settings(there).items()) ^ set(_flat_settings(config_json).items()))
-    if isinstance(there, dict) and differ:
+    if not isinstance(there, dict):
+        return
+    differ = set(_flat_settings(there).items()) ^ set(_flat_settings(config_json).items())
+    if differ:
         names = sorted({name for name, _ in differ})
         raise CheckpointError(f"{path}: refusing to save here: its {CONFIG_FILE} describes another model ({names[:5]}"
                               f"{' ...' if len(names) > 5 else ''} differ from this model's): save to a new directory")
@@ -136,11 +138,9 @@ def _refuse_other_model(path: Path, config_json: dict) -> None:
 _MTP_SETTINGS = {"dtype", "torch_dtype", "num_mtp_layers", "mtp_local_layer_ids", "mtp_config"}
 
 
-def _flat_settings(config: object, prefix: str = "") -> dict[str, str]:
+def _flat_settings(config: dict, prefix: str = "") -> dict[str, str]:
     """``section.key -> JSON text`` of a config.json's settings, the ones a save of the same model may change left
     out."""
-    if not isinstance(config, dict):
-        return {}
     flat = {}
     for key, value in config.items():
         if key in _MTP_SETTINGS:
