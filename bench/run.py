@@ -384,16 +384,21 @@ def format_table(result: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------ sub-commands
 
+class ReportError(Exception):
+    """What ``python -m bench report`` refuses: one line, exit status 2 (as for a bad argument)."""
+
+
 def load_result(path: Path) -> dict:
-    """A saved result; SystemExit naming the problem when it is not one of this schema."""
+    """A saved result; ReportError naming the problem when it is not one of this schema."""
     try:
         result = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise SystemExit(f"{path}: no such file") from None
+        raise ReportError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"{path}: not a readable JSON file ({e})") from None
+        raise ReportError(f"{path}: not a readable JSON file ({e})") from None
     if (schema := result.get("schema") if isinstance(result, dict) else None) != SCHEMA_ID:
-        raise SystemExit(f"{path} is not a `python -m bench run` result of schema {SCHEMA_ID} (its schema: {schema!r})")
+        raise ReportError(f"{path} is not a `python -m bench run` result of schema {SCHEMA_ID} (its schema: "
+                          f"{schema!r})")
     return result
 
 
@@ -404,12 +409,12 @@ def report_command(a: argparse.Namespace) -> int:
         table = format_table(result)
         drawn = None if a.no_image else plots.draw_report(result, out)
     except ImportError:  # matplotlib, the plots extra
-        raise SystemExit(plots.MISSING_HINT.format(json=a.result)) from None
+        raise ReportError(plots.MISSING_HINT.format(json=a.result)) from None
     except OSError as e:
-        raise SystemExit(f"cannot write {out}: {e.strerror or e}; choose another place with --out") from None
+        raise ReportError(f"cannot write {out}: {e.strerror or e}; choose another place with --out") from None
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:  # edited contents
-        raise SystemExit(f"{a.result} does not hold what a `python -m bench run` of schema {SCHEMA_ID} writes "
-                         f"(edited?): {type(e).__name__} {e}") from None
+        raise ReportError(f"{a.result} does not hold what a `python -m bench run` of schema {SCHEMA_ID} writes "
+                          f"(edited?): {type(e).__name__} {e}") from None
     print(f"{a.result}: {'partial' if result['partial'] else 'complete'}, completed {result['completed']}")
     print(table)
     if drawn is None:
@@ -438,6 +443,9 @@ def main(argv=None) -> int:
         Prebuild.serve(a.sections.split(","), parse_args(a.argv), {s.name: s.module for s in SECTIONS}, a.started)
         return 0
     if a.command == "report":
-        return report_command(a)
+        try:
+            return report_command(a)
+        except ReportError as e:
+            return arguments.refused("python -m bench report", e)
     run(argv[1:])
     return 0

@@ -5,6 +5,7 @@ the image's path (or, without matplotlib, with how to get it)."""
 import builtins
 import copy
 import json
+import re
 import struct
 
 import pytest
@@ -254,33 +255,35 @@ def report_(path, *args):
     return run.main(["report", str(path), *args])
 
 
-def test_report_command_names_what_is_wrong(tmp_path, monkeypatch):
-    with pytest.raises(SystemExit, match="no-such.json: no such file"):
-        report_(tmp_path / "no-such.json")
+def assert_refused(capsys, pattern: str, path, *args) -> None:
+    """``python -m bench report`` refuses with one line that matches ``pattern``, exit status 2."""
+    assert report_(path, *args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m bench report: error: "), lines
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_report_command_names_what_is_wrong(tmp_path, monkeypatch, capsys):
+    assert_refused(capsys, "no-such.json: no such file", tmp_path / "no-such.json")
     (tmp_path / "garbled.json").write_text("{")
-    with pytest.raises(SystemExit, match="garbled.json: not a readable JSON file"):
-        report_(tmp_path / "garbled.json")
+    assert_refused(capsys, "garbled.json: not a readable JSON file", tmp_path / "garbled.json")
     old = synthetic_result()
     old["schema"] = "inkling-bench/1"
     (tmp_path / "old.json").write_text(json.dumps(old))
-    with pytest.raises(SystemExit, match=r"not a `python -m bench run` result of schema .* 'inkling-bench/1'"):
-        report_(tmp_path / "old.json")
+    assert_refused(capsys, r"not a `python -m bench run` result of schema .* 'inkling-bench/1'", tmp_path / "old.json")
     edited = synthetic_result()
     del edited["configs"]["tiny"]["latency"]["batches"]
     (tmp_path / "edited.json").write_text(json.dumps(edited))
-    with pytest.raises(SystemExit, match=r"edited.json does not hold what a `python -m bench run` of schema "
-                                         r"inkling-bench/\d+ writes \(edited\?\): KeyError 'batches'"):
-        report_(tmp_path / "edited.json")
+    assert_refused(capsys, r"edited.json does not hold what a `python -m bench run` of schema inkling-bench/\d+ "
+                   r"writes \(edited\?\): KeyError 'batches'", tmp_path / "edited.json")
     huge = synthetic_result()
     huge["wall_s"] = 10**400  # JSON's integers have no bound; a float of it has
     (tmp_path / "edited.json").write_text(json.dumps(huge))
-    with pytest.raises(SystemExit, match=r"edited.json does not hold what .* \(edited\?\): OverflowError"):
-        report_(tmp_path / "edited.json")
+    assert_refused(capsys, r"edited.json does not hold what .* \(edited\?\): OverflowError", tmp_path / "edited.json")
     (tmp_path / "good.json").write_text(json.dumps(synthetic_result()))
-    with pytest.raises(SystemExit, match=r"cannot write .*good.json/report.png: .*; choose another place with --out"):
-        report_(tmp_path / "good.json", "--out", str(tmp_path / "good.json" / "report.png"))
+    assert_refused(capsys, r"cannot write .*good.json/report.png: .*; choose another place with --out",
+                   tmp_path / "good.json", "--out", str(tmp_path / "good.json" / "report.png"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["edited.json", "garbled.json", "good.json", "old.json"]
     _hide_matplotlib(monkeypatch)
-    with pytest.raises(SystemExit, match=r"matplotlib is not installed.*pip install -e '\.\[plots\]'"):
-        report_(tmp_path / "good.json")
+    assert_refused(capsys, r"matplotlib is not installed.*pip install -e '\.\[plots\]'", tmp_path / "good.json")
     assert not (tmp_path / "good.png").exists()
