@@ -211,11 +211,11 @@ class InklingMTP(nn.Module):
         """The target's own (backbone-normed) token embedding."""
         return normed_embedding(self.embed_weight, input_ids, self.embed_norm_weight, self.config.rms_norm_eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
         """``(hidden / mup) @ lm_head.T`` truncated to the unpadded vocab: [..., logits_vocab_size] (tensor-parallel:
-        every rank's vocab rows, gathered)."""
-        if not torch.compiler.is_compiling():
-            validation.check_hidden(self, hidden)
+        every rank's vocab rows, gathered). ``validate=False``: no checks (the drafter's own hidden states)."""
+        if validate and not torch.compiler.is_compiling():
+            validation.check_head_input(self, hidden)
         if self.quantized_head is not None:  # its rows are the unpadded vocab, its scales carry 1/mup
             return self.quantized_head(hidden)
         if self.parallel is not None:
@@ -223,15 +223,17 @@ class InklingMTP(nn.Module):
             return self.parallel.gather_logits(local, self.config.logits_vocab_size)
         return mup_logits(hidden, self.lm_head_weight, self.config.mup, self.config.logits_vocab_size)
 
-    def get_top_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+    def get_top_tokens(self, hidden: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
         """Greedy draft tokens [...]: argmax over the unpadded vocab (muP cannot change it); tensor-parallel, each
         rank's argmax over its rows, then a [..., 2] (value, id) gather (docs/model.md §11)."""
-        if self.parallel is not None:
-            start, stop = self.parallel.vocab_rows(self.config)
-            kept = min(stop, self.config.logits_vocab_size) - start  # padded ids never win
-            local = mup_logits(hidden, self.lm_head_weight, self.config.mup, kept)
-            return self.parallel.top_tokens(local, start)
-        return self.compute_logits(hidden).argmax(dim=-1)
+        if self.parallel is None:
+            return self.compute_logits(hidden, validate=validate).argmax(dim=-1)
+        if validate and not torch.compiler.is_compiling():
+            validation.check_head_input(self, hidden)
+        start, stop = self.parallel.vocab_rows(self.config)
+        kept = min(stop, self.config.logits_vocab_size) - start  # padded ids never win
+        local = mup_logits(hidden, self.lm_head_weight, self.config.mup, kept)
+        return self.parallel.top_tokens(local, start)
 
     @property
     def dtype(self) -> torch.dtype:

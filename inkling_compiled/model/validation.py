@@ -188,6 +188,19 @@ def check_hidden(model: nn.Module, hidden) -> None:
     _check_device("hidden", hidden, model.device)
 
 
+def check_head_input(model: nn.Module, hidden) -> None:
+    """:func:`check_hidden`; a tensor-parallel model's ranks then compare the hidden in one exchange (a rank with a
+    bad one would otherwise leave the others waiting in the head's gather)."""
+    if model.parallel is None:
+        return check_hidden(model, hidden)
+    model.parallel.agree("the head's hidden states", HEAD_FIELDS, lambda: (check_hidden(model, hidden), {
+        "hidden dims": hidden.dim(), "hidden elements": hidden.numel(), CHECKSUM + "hidden": checksum(hidden)}),
+        fix=SAME_INPUTS)
+
+
+HEAD_FIELDS = ("hidden dims", "hidden elements", CHECKSUM + "hidden")
+
+
 def _some(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 

@@ -422,9 +422,9 @@ class Drafter:
         last_column = (torch.arange(positions.shape[1], device=positions.device) * real).amax(dim=1, keepdim=True)
         last = hidden.gather(1, last_column[..., None].expand(-1, -1, hidden.shape[-1])).squeeze(1)
         if noise is None:
-            draft, probs = self.model.get_top_tokens(last), None
+            draft, probs = self.model.get_top_tokens(last, validate=False), None
         else:
-            probs = torch.softmax(self.model.compute_logits(last).float() * inv_temperature, dim=-1)
+            probs = torch.softmax(self.model.compute_logits(last, validate=False).float() * inv_temperature, dim=-1)
             draft = (probs / noise).argmax(dim=-1)
         next_ids = input_ids.roll(-1, dims=1).scatter(1, last_column, draft[:, None])
         outputs = (hidden, last, draft, next_ids) + ((probs,) if noise is not None else ())

@@ -177,6 +177,10 @@ def _disagreements(mesh, path, other) -> dict:
     out["forward ids"] = _outcome(lambda: tp(ids + int(one), positions, hidden))
     out["forward bad id"] = _outcome(lambda: tp(ids + 10_000 * int(one), positions, hidden))
     out["forward cache"] = _outcome(lambda: tp(ids, positions, hidden, cache=tp.new_cache(2, 8) if one else None))
+    last = hidden[:, -1]
+    out["logits hidden"] = _outcome(lambda: tp.compute_logits(last + int(one)))
+    out["top tokens bad hidden"] = _outcome(lambda: tp.get_top_tokens(last[:, :-1] if one else last))
+    out["top tokens"] = tp.get_top_tokens(last)  # the group still works
     # padding rows (negative positions) may hold anything: they reach no output
     padded_ids, padded_positions, padded_hidden = ids.clone(), positions - 2, hidden.clone()
     padded_ids[:, :2] = int(one)
@@ -230,6 +234,8 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tp_checkpoint, tmp_path):
         assert got["generate() prompt"] == got["generate prompt"]
         assert got["forward cache"].startswith(differ.format(what="the inputs") + "cache batch_size (rank 0: 0, "
                                                "rank 1: 2); cache max_length (rank 0: 0, rank 1: 8).")
+        assert got["logits hidden"] == differ.format(what="the head's hidden states") + (
+            "contents of hidden. Every rank passes the same inputs: the ranks split the weights, not the rows.")
         draft = differ.format(what="the draft's inputs")
         assert got["draft inputs_embeds"].startswith(draft + "contents of inputs_embeds."), got["draft inputs_embeds"]
         assert got["draft temperature"].startswith(draft + "contents of temperature."), got["draft temperature"]
@@ -246,6 +252,9 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tp_checkpoint, tmp_path):
                                                     "the checkpoints")), zero[case]
         assert one[case].startswith("ArgumentError: " + own) or own in one[case], one[case]
     assert one["forward bad id"].startswith("ArgumentError: token id ") and "out of range" in one["forward bad id"]
+    assert zero["top tokens bad hidden"].startswith(refused.format(what="the head's hidden states"))
+    assert one["top tokens bad hidden"].startswith("ArgumentError: hidden has shape (2, 63)")
+    assert torch.equal(zero["top tokens"], one["top tokens"])
     assert torch.equal(zero["padding rows"], one["padding rows"])
     assert torch.equal(zero["sequences"], one["sequences"])
 
