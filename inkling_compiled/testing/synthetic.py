@@ -462,6 +462,7 @@ def load_hf_target(path, dtype: torch.dtype = torch.float32):
         from transformers import InklingForConditionalGeneration
 
     try:
+        _pad_id_in_vocabulary(InklingForConditionalGeneration.config_class.get_config_dict(str(path))[0])
         config = InklingForConditionalGeneration.config_class.from_pretrained(str(path))
         _sizes_transformers_trusts(config)
         return InklingForConditionalGeneration.from_pretrained(str(path), config=config, dtype=dtype).eval()
@@ -480,6 +481,15 @@ def _sizes_transformers_trusts(config) -> None:
         for name in ("patch_size", "temporal_patch_size"):
             integer(f"vision_config.{name}", getattr(vision, name), minimum=1)
     integer("text_config.num_experts_per_tok", text.num_experts_per_tok, minimum=1, maximum=text.n_routed_experts)
+
+
+def _pad_id_in_vocabulary(config: dict) -> None:
+    """ArgumentError for a pad id outside the vocabulary, read before transformers builds the config: it warns of
+    one on the terminal first, then fails building the embedding."""
+    text = config.get("text_config") or {}
+    vocab = text.get("vocab_size")
+    if text.get("pad_token_id") is not None and isinstance(vocab, int) and vocab > 0:
+        integer("text_config.pad_token_id", text["pad_token_id"], minimum=0, maximum=vocab - 1)
 
 
 def greedy_generation_config(target, max_new_tokens: int, *, eos_token_id=None):
