@@ -242,8 +242,11 @@ def _checked_arguments(target, drafter, input_ids, attention_mask, max_new_token
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
         got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise ArgumentError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:  # an additive mask is 0 / -inf
+        raise ArgumentError(f"attention_mask must be an integer or bool tensor of 0s and 1s, got "
+                            f"{attention_mask.dtype}")
     mask_cpu = attention_mask.cpu()
-    if not bool(((mask_cpu == 0) | (mask_cpu == 1)).all()):  # before the cast: 0.5 must not truncate to 0
+    if not bool(((mask_cpu == 0) | (mask_cpu == 1)).all()):
         raise ArgumentError("attention_mask must contain only 0 and 1")
     attention_mask, mask_cpu = attention_mask.to(device=input_ids.device, dtype=torch.long), mask_cpu.long()
     unpadded = (mask_cpu[:, 1:] < mask_cpu[:, :-1]).any(dim=1)

@@ -348,7 +348,9 @@ class ExplodingDrafter(StandInDrafter):
     (dict(generator=7), r"generator must be a torch\.Generator \(or None\), got int"),
     (dict(top_p=True), "top_p must be in"),
     (dict(bool_ids=True), r"input_ids must be an integer tensor"),
-    (dict(mask_value=0.5), "attention_mask must contain only 0 and 1"),
+    (dict(mask_value=2), "attention_mask must contain only 0 and 1"),
+    (dict(mask_dtype=torch.float32), "attention_mask must be an integer or bool tensor of 0s and 1s, got torch.float"),
+    (dict(mask_dtype=torch.complex64), "attention_mask must be an integer or bool tensor of 0s and 1s, got torch.co"),
     (dict(eos=3, pad=-1), r"pad_token_id must be a token id in \[0, 128\) \(finished rows feed it to the target"),
     (dict(eos=3, pad=128), r"pad_token_id must be a token id in \[0, 128\)"),
     (dict(lockstep=1), "lockstep must be a bool, got 1"),
@@ -371,8 +373,8 @@ def test_bad_input_rejected_before_any_model_call(target, monkeypatch, case, mat
     if case.get("short_mask"):
         mask = mask[:, :3]
     if "mask_value" in case:
-        mask = mask.float()
         mask[0, 0] = case["mask_value"]
+    mask = mask.to(case.get("mask_dtype", mask.dtype))
     if case.get("bool_ids"):
         ids = ids > 50
     drafter = ExplodingDrafter(120, max_batch_size=2, max_length=12)
