@@ -129,6 +129,19 @@ def test_packaged_rounds_equal_the_eager_drafter_over_64_rounds_and_every_accept
     assert_same_state(loaded, eager[k])
 
 
+@torch.no_grad()
+def test_loaded_with_compile_false_nothing_compiles_the_prefill_included(model, eager, packages):
+    """A package holds the decode windows; the prompt's prefill (8 rows here) is another bucket, which
+    ``compile=False`` runs eager, so that a process loading a package never compiles (docs/usage.md)."""
+    rows = [8, *windows(1, 16)]
+    expected = decode(eager[1], rows)
+    loaded = Drafter.load_compiled(packages[1], model, compile=False)
+    graphs = counters["stats"]["unique_graphs"]
+    assert_same_drafts(decode(loaded, rows), expected)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert loaded.packaged_buckets == tuple((BATCH, r, False) for r in SETUPS[1]["rows"])
+
+
 def test_one_step_per_depth_geometry_serves_every_depth_of_it(packages):
     manifest = read_manifest(packages[3])
     assert manifest["layout"]["depth_steps"] == [0, 1, 0]  # depth 2 runs depth 0's step (both sliding)
