@@ -116,9 +116,10 @@ class PackageMismatch(PackageError):
 
     def __init__(self, directory, differences: dict[str, str]):
         self.fields = tuple(differences)
-        super().__init__(f"the packaged steps in {directory} were built for another setup: "
-                         + "; ".join(differences.values())
-                         + ". Package them again here (save_compiled), or load with fallback=True to compile instead")
+        self.what = f"the packaged steps in {directory} were built for another setup: " + "; ".join(
+            differences.values())
+        super().__init__(self.what + ". Package them again here (save_compiled), or load with fallback=True to run "
+                         "the usual step instead")
 
 
 # ------------------------------------------------------------------------------------------------ what a step reads
@@ -258,7 +259,7 @@ def matches(directory, manifest: dict, here: dict, *, fallback: bool) -> bool:
     if problem is not None and not fallback:
         raise problem
     if problem is not None:
-        warnings.warn(f"{problem}; running the usual step instead", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"{problem.what}; running the usual step instead", RuntimeWarning, stacklevel=3)
     return problem is None
 
 
