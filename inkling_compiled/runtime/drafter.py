@@ -522,10 +522,8 @@ class Drafter:
                        generator=None) -> list[tuple[int, int]]:
         """:meth:`check` (and the sampling arguments), then each sequence's first and last real position. A
         tensor-parallel model's ranks compare what they were given, and this drafter's K and cache, in one exchange
-        after every check (:meth:`TensorParallel.agree`): a refusal on one rank is then one on every rank. Not with
-        packaged rounds (loaded, or the round cache's): an exchange of ours before a package's first call leaves the
-        collectives inside its AOTInductor steps waiting on gloo for good (torch 2.13; docs/model.md §11.4)."""
-        if self.model.parallel is None or self._packaged or self.cached_rounds:
+        after every check (:meth:`TensorParallel.agree`): a refusal on one rank is then one on every rank."""
+        if self.model.parallel is None:
             return self._spans_here(input_ids, positions, hidden, inputs_embeds, temperature, generator)[0]
 
         def run():

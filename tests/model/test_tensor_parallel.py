@@ -292,9 +292,15 @@ def _compiled_checks(mesh, path, package_root) -> dict:
     directory = compiled.save_compiled(package_root / f"rank{rank}", batch_sizes=(2,), rows=(1,))
     loaded = Drafter.load_compiled(directory, model)
     assert loaded.packaged_buckets == ((2, 1, False),)
-    for t in range(8):
+    # validated calls: each runs the agreement exchange right before the package's AOTInductor step, whose
+    # collectives once deadlocked the ranks within a few calls (a gloo worker finishing the exchange took the GIL the
+    # step holds; TensorParallel._exchange): the stream four times over, rewound to position 0 each time
+    for t in [t for _ in range(4) for t in range(8)]:
         rows = ids[:, t : t + 1], torch.full((2, 1), t), hidden[:, t : t + 1]
         assert torch.equal(loaded.draft(*rows).drafts, drafts["compiled"][t]), t
+    rows = ids[:, :1], torch.zeros(2, 1, dtype=torch.long), hidden[:, :1] + rank  # rank 1's hidden differs
+    with pytest.raises(ArgumentError, match="the draft's inputs differ between the 2 tensor-parallel ranks: "):
+        loaded.draft(*rows)  # refused on every rank: the packaged drafter compares its ranks' calls too
     other = package_root / f"rank{1 - rank}"  # the other rank's package: its shards, not ours
     dist.barrier()
     with pytest.raises(PackageMismatch, match=f"tensor_parallel 'rank {1 - rank} of 2' vs 'rank {rank} of 2'"):
