@@ -159,7 +159,7 @@ stage graphs 60 bash -c 'gpu_tests -k cuda_graph'  # K = 1 and the whole K = 8 r
 # parts are CPU-only), and the packaged and quant sections have stages of their own.
 stage full 90 bash -c "bench full --config '$FULL_CONFIG' --weights random --only latency --skip stock \
   --context 128 --time-budget 10"
-E2E_SOURCE="--distill-steps 100"
+E2E_SOURCE="--e2e-target synthetic --distill-steps 100"
 [ -d "$E2E_CHECKPOINT" ] && E2E_SOURCE="--e2e-checkpoint $E2E_CHECKPOINT"
 stage e2e 80 bash -c "bench e2e --only e2e $E2E_SOURCE --e2e-prompts 2 --e2e-tokens 48"
 AOTI="packaged aoti" QUANT="quantiz int8 float8 torchao"  # the feature stages' test words

@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="synthetic preset used when no --checkpoint is given (default tiny; tiny8 has 8 depths)")
     parser.add_argument("--distilled", action="store_true",
-                        help="with the default checkpoint: self-distil its MTP first (cached; ~1 min the first time)")
+                        help="with the default checkpoint: self-distil its MTP first (cached; ~5 min the first time on "
+                             "2 CPU cores)")
     parser.add_argument("--text-target", action="store_true",
                         help="the tiny target trained on stdlib source (built and cached on first use, ~3 min): "
                              "held-out prompts, decoded text out")
