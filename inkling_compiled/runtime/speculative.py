@@ -364,7 +364,8 @@ class _Batch:
         self.done = [False] * batch
         self.stopped_at: list[int | None] = [None] * batch  # without pad_after_stop: the new-token count at the stop
         self.streamed = 0
-        self.stats: list[torch.Tensor] = []
+        self.stats: list[torch.Tensor] = []  # per verify round: drafted, accepted, accepted per position (device)
+        self.emitted: list[list[tuple[int, int, int]]] = [[] for _ in range(batch)]  # per row: (round, before, new)
 
     def contexts(self, rows: list[int], extra: torch.Tensor):
         """(indices into ``rows``, their batch rows, tokens [n, L + count + j]) per group of rows with equal counts:
@@ -380,6 +381,15 @@ class _Batch:
 
     def width(self) -> int:
         return min(max(self.counts), max(self.limits))
+
+    def emitted_per_round(self) -> list[int]:
+        """Each verify round's new tokens that the output holds: without ``pad_after_stop`` the rows run on to the
+        last row's stop and are then all cut there, and what a row emitted past that cut counts in no round."""
+        per_round, width = [0] * len(self.stats), self.width()
+        for rounds in self.emitted:
+            for r, before, new in rounds:
+                per_round[r] += max(0, min(new, width - before))
+        return per_round
 
 
 @dataclass
@@ -441,7 +451,7 @@ def run_loop(target, drafter, input_ids, attention_mask, decoding: Decoding, *, 
         live = _advance(target, drafter, cache, live, hidden, tokens, kept, goes, decoding, batch, generator,
                         prompt_rows=reads_prompt)
     _stream(batch, decoding.streamer, final=True)
-    return _output(input_ids, batch.out[:, :batch.width()], batch.stats, k)
+    return _output(input_ids, batch.out[:, :batch.width()], batch.stats, batch.emitted_per_round(), k)
 
 
 def _rows_reach(target, input_ids, attention_mask, rows, k: int) -> list[int]:
@@ -599,6 +609,8 @@ def _emit(batch: _Batch, live: _Live, tokens: torch.Tensor, keep: torch.Tensor, 
                                                                               batch.pad)
     batch.count.index_add_(0, live.rows, emitted)
     for b, c, e in zip(live.index, counts, ended):
+        if accepted_len is not None:  # a verify round's (the prefill's token counts in no figure)
+            batch.emitted[b].append((len(batch.stats), batch.counts[b], c))
         batch.counts[b] += c
         batch.done[b] = e or batch.counts[b] >= batch.limits[b]
     if all(at is not None for at in batch.stopped_at):  # without padding: the batch ends at the last row's stop
@@ -610,7 +622,7 @@ def _emit(batch: _Batch, live: _Live, tokens: torch.Tensor, keep: torch.Tensor, 
         k = tokens.shape[1] - 1
         prefix = accepted_len[:, None] > columns[:k]  # [R, K]
         batch.stats.append(torch.cat([accepted_len.new_full((1,), n * k), accepted_len.sum()[None],
-                                      prefix.sum(dim=0), emitted.sum()[None]]))
+                                      prefix.sum(dim=0)]))
     _stream(batch, decoding.streamer)
     return kept, [not batch.done[b] for b in live.index]
 
@@ -713,13 +725,13 @@ def _storage_may_reach_log_scaling(target, length: int, max_new_tokens: int, k: 
     return n_floor is not None and length + (max_new_tokens - 1) * (k + 1) > n_floor
 
 
-def _output(input_ids, new_tokens: torch.Tensor, stats: list[torch.Tensor], k: int) -> SpeculativeOutput:
+def _output(input_ids, new_tokens: torch.Tensor, stats: list[torch.Tensor], emitted: list[int], k: int
+            ) -> SpeculativeOutput:
     sequences = torch.cat([input_ids, new_tokens], dim=1)
     per_round = torch.stack(stats).tolist() if stats else []
     drafted = [int(r[0]) for r in per_round]
     accepted_counts = [int(r[1]) for r in per_round]
-    per_position = [[int(c) for c in r[2:-1]] for r in per_round]
-    emitted = [int(r[-1]) for r in per_round]
+    per_position = [[int(c) for c in r[2:]] for r in per_round]
     num_drafted, num_accepted = sum(drafted), sum(accepted_counts)
     drafting_rows = num_drafted // k
     return SpeculativeOutput(

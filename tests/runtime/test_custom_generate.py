@@ -141,6 +141,34 @@ def test_custom_stopping_criterion_cuts_the_round_there(target, eos_ids):
     assert torch.equal(ours, one) and ours.shape[1] <= ids.shape[1] + 4 and int(ours[0, -1]) == token
 
 
+class StopAtLength(StoppingCriteria):
+    """Stops a row once it has ``lengths[t]`` new tokens, ``t`` its last prompt token (the loop calls criteria on
+    some of the rows at a time, so a row is told by its contents, not its index)."""
+
+    def __init__(self, lengths: dict[int, int], prompt_len: int):
+        self.lengths, self.prompt_len = lengths, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.tensor([input_ids.shape[1] - self.prompt_len >= self.lengths[int(row[self.prompt_len - 1])]
+                             for row in input_ids])
+
+
+@pytest.mark.parametrize("k, rate_mod", [(8, 0), (4, 3)])
+def test_the_statistics_count_no_token_of_the_rows_cut_after_the_last_stop(target, k, rate_mod):
+    """Without an EOS criterion the stopped rows run on until the last row stops, and all are then cut there, as in
+    generate: the tokens past the cut were counted in ``emitted_per_round`` and ``mean_accepted_length``."""
+    ids, mask = prompts_for(3, seed=11)
+    last = ids[:, -1].tolist()
+    assert len(set(last)) == 3
+    stop = [StopAtLength(dict(zip(last, [3, 7, 5])), ids.shape[1])]
+    reference, ours = both(target, ids, mask, k, rate_mod, max_new_tokens=MAX_NEW, return_dict_in_generate=True,
+                           stopping_criteria=stop)
+    assert torch.equal(ours.sequences, reference.sequences) and ours.sequences.shape[1] == ids.shape[1] + 7
+    stats = ours.speculative
+    assert sum(stats.emitted_per_round) + 3 == 3 * 7  # the prefill's token aside, each row's 7 in the output
+    assert stats.mean_accepted_length == sum(stats.emitted_per_round) / (stats.num_drafted // k)
+
+
 def word_tokenizer(vocab: int = 120) -> PreTrainedTokenizerFast:
     """A word-level tokenizer whose token i < vocab - 1 is a two-letter word, decoded without spaces (so a stop
     string can straddle two tokens); the last token is the prefix transformers' stop-string matcher probes with."""
