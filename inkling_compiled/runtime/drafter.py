@@ -326,9 +326,10 @@ class Drafter:
         self.model = model
         self._quantization = model.quantization  # what the compiled and packaged steps are built for
         self._weights = _weight_addresses(model)  # ... and the tensors packaged rounds read (by address)
-        self.num_speculative_tokens = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
-        self.max_batch_size = arguments.positive_int("max_batch_size", max_batch_size)
-        self.max_length = arguments.positive_int("max_length", max_length)
+        # read-only (properties below): the cache, the buffers and the compiled round are sized by them
+        self._k = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
+        self._max_batch_size = arguments.positive_int("max_batch_size", max_batch_size)
+        self._max_length = arguments.positive_int("max_length", max_length)
         self.cache = model.new_cache(self.max_batch_size, self.max_length)
         # per sequence, the positions 0..n-1 validated calls wrote (None: unknown after an unchecked call), so that a
         # call skipping ahead of them is refused rather than read the stale slots in between
@@ -773,6 +774,18 @@ class Drafter:
         if matches:
             drafter._packaged.update(packaged.load_rounds(drafter, directory, manifest))
         return drafter
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self._k
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
 
     @property
     def packaged_buckets(self) -> tuple[tuple[int, int, bool], ...]:

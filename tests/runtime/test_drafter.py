@@ -262,6 +262,15 @@ def test_drafter_arguments_are_checked(kwargs, match):
         Drafter(random_mtp(), **args, num_speculative_tokens=1)
 
 
+@pytest.mark.parametrize("size", ["num_speculative_tokens", "max_batch_size", "max_length"])
+def test_the_drafters_sizes_are_read_only(size):
+    """The cache, the buffers and the compiled round are sized by them: a K set after construction was an IndexError
+    inside the loop (smaller) or statistics of K entries that drafted fewer (larger)."""
+    drafter = Drafter(random_mtp(), 2, 16, compile=False)
+    with pytest.raises(AttributeError, match=f"property '{size}' of 'Drafter' object has no setter"):
+        setattr(drafter, size, 1)
+
+
 def test_drafter_model_must_be_an_inkling_mtp():
     with pytest.raises(ArgumentError, match="model must be an InklingMTP, got Linear"):
         Drafter(torch.nn.Linear(2, 2), 1, 8)
