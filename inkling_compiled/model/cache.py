@@ -68,8 +68,9 @@ class MTPCache:
         self.batch_size, self.max_length = batch_size, max_length
         slots = max_length + 1
 
-        def buf(*shape):
-            return torch.zeros(batch_size, slots, *shape, dtype=dtype, device=device)
+        def buf(*shape):  # never an inference tensor: every later call updates it in place, outside inference mode too
+            with torch.inference_mode(False):
+                return torch.zeros(batch_size, slots, *shape, dtype=dtype, device=device)
 
         try:
             buffers = [

@@ -298,6 +298,19 @@ def _check_num_speculative_tokens(value, loaded: int) -> int:
     return value
 
 
+
+def _normal_state(method):
+    """``method`` outside inference mode (under ``no_grad``) when called inside it: the cache and buffers a Drafter
+    keeps are updated in place on every later call, which a tensor made under ``torch.inference_mode()`` refuses
+    for good once outside it (a Drafter built or first used there then failed in its next call out of it)."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+    return run
+
 class Drafter:
     """Drafts ``num_speculative_tokens`` tokens per round with depths 0..K-1 of ``model`` for up to
     ``max_batch_size`` sequences of up to ``max_length`` positions.
@@ -314,6 +327,7 @@ class Drafter:
     unaffected: there a round is one CUDA graph.
     """
 
+    @_normal_state
     def __init__(self, model: InklingMTP, max_batch_size: int, max_length: int, *,
                  num_speculative_tokens: int | None = None, compile: bool = True, cuda_graphs: bool | None = None,
                  batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, graph_rows: tuple[int, ...] | None = None,
@@ -455,6 +469,7 @@ class Drafter:
 
     # -- public API ---------------------------------------------------------------------------------------------
 
+    @_normal_state
     def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, *,
               temperature: float = 0.0, generator: torch.Generator | None = None,
               validate: bool = True, inputs_embeds: torch.Tensor | None = None) -> DraftResult:
@@ -667,6 +682,7 @@ class Drafter:
                              "Drafter was built: its compiled or packaged steps read the tensors it had then; build a "
                              "new Drafter (an in-place update, load_state_dict's default, is seen)")
 
+    @_normal_state
     def capture(self, batch_sizes: tuple[int, ...] | None = None, temperature: float = 0.0) -> float:
         """Compile and (on CUDA) capture every graph bucket for ``batch_sizes`` now; returns the seconds it took.
 
@@ -699,6 +715,7 @@ class Drafter:
         padded_rows = window if window in self.graph_rows else 1 << (window - 1).bit_length()
         return padded_batch, padded_rows
 
+    @_normal_state
     def static_step(self, batch: int, rows: int):
         """The greedy step bound to the static buffers of the (batch, rows) shape, as a no-argument callable: the
         compiled graph alone, without ``draft``'s input copies and output handling (what a benchmark sets it
@@ -714,6 +731,7 @@ class Drafter:
 
     # -- packaged rounds (runtime/packaged.py): AOTInductor ahead of time, no Dynamo at call time -------------------
 
+    @_normal_state
     def save_compiled(self, directory, batch_sizes: tuple[int, ...] | None = None, rows: tuple[int, ...] | None = None,
                       *, sampled: bool = False) -> Path:
         """Package the round of every bucket that calls of ``batch_sizes`` (default: every batch bucket) x ``rows``

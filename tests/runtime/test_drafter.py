@@ -347,6 +347,26 @@ def test_a_compiled_drafter_refuses_a_model_quantized_after_construction_and_an_
     assert torch.equal(eager.draft(ids, positions, hidden).drafts, fresh.draft(ids, positions, hidden).drafts)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_drafter_built_or_used_under_inference_mode_works_outside_it(k):
+    """Its cache and buffers stay normal tensors: made under ``torch.inference_mode()`` they refused the in-place
+    updates of every later call outside it."""
+    model = random_mtp()
+    ids, positions, hidden = stream(2, PROMPT + 3)
+    calls = [(ids[:, :PROMPT], positions[:, :PROMPT], hidden[:, :PROMPT])] + [
+        (ids[:, t:t + 1], positions[:, t:t + 1], hidden[:, t:t + 1]) for t in range(PROMPT, PROMPT + 3)]
+    reference = Drafter(model, 2, 32, compile=False, num_speculative_tokens=k)
+    expected = [reference.draft(*call, temperature=0.0).drafts for call in calls]
+    with torch.inference_mode():
+        built_inside = Drafter(model, 2, 32, compile=False, num_speculative_tokens=k)
+    used_inside = Drafter(model, 2, 32, compile=False, num_speculative_tokens=k)
+    for i, call in enumerate(calls):
+        assert torch.equal(built_inside.draft(*call).drafts, expected[i])
+        with torch.inference_mode(i % 2 == 0):  # in and out of it, call by call
+            drafts = used_inside.draft(*call).drafts
+        assert torch.equal(drafts, expected[i]) and not drafts.is_inference()
+
+
 def test_draft_inputs_that_require_grad_leave_no_history():
     """A hidden straight from a target forward run with grad enabled: the static buffers stay inference state."""
     model = random_mtp()
