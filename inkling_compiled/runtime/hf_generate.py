@@ -75,9 +75,9 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
     if drafter is None:
         raise ArgumentError("custom_generate needs a drafter: generate(..., custom_generate=custom_generate, "
                             "drafter=Drafter(...))")
+    if input_ids.shape[1] == 0 or "inputs_embeds" in model_kwargs:  # before the other model inputs: named here
+        raise ArgumentError("custom_generate needs input_ids (a prompt given as inputs_embeds is not supported)")
     _refuse_unsupported(generation_config, synced_gpus, assistant, model_kwargs)
-    if input_ids.shape[1] == 0:
-        raise ArgumentError("custom_generate needs input_ids (a prompt given as inputs_embeds only is not supported)")
     max_length = generation_config.max_length
     criteria = []
     eos = None  # every EosTokenCriteria's ids: generate stops a row at any of them

@@ -242,6 +242,7 @@ def test_return_dict_in_generate(target):
     (dict(return_dict_in_generate=True, output_scores=True), "output_scores"),
     (dict(prefix_allowed_tokens_fn=lambda b, ids: [1, 2]), "PrefixConstrainedLogitsProcessor"),
     (dict(drafter=None), "needs a drafter"),
+    (dict(inputs_embeds=torch.zeros(1, 4, 64)), "a prompt given as inputs_embeds is not supported"),
     (dict(token_type_ids=torch.zeros(1, 4, dtype=torch.long)), "token_type_ids"),
     (dict(do_sample=True, temperature=1e-7), "temperature 1e-07 is below 1e-06: .* pass do_sample=False"),
 ])
