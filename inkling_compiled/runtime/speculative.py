@@ -299,6 +299,8 @@ def speculative_generate(target, drafter: DraftSource, input_ids: torch.Tensor,
 
     ``input_ids`` [B, L] is left-padded as described by ``attention_mask`` (1 = real token); ``temperature == 0``
     is greedy (``top_p`` ignored), otherwise tokens follow ``softmax(top_p(logits / temperature))`` exactly.
+    ``eos_token_id`` (one id or several) ends a row at its first EOS, padded with ``pad_token_id`` after; None: no
+    EOS, whatever the target's generation config says (``generate(custom_generate=...)`` reads that one).
     ``generator`` (on the target's device) drives every random draw of the loop and is passed to the drafter.
     Each sequence advances by its own accepted length; ``lockstep=True`` advances the batch by its shortest one (the
     benchmark's baseline; same tokens, more rounds). ``pixel_values`` / ``audio_input_ids`` (with their
