@@ -516,6 +516,30 @@ def test_the_head_names_a_bad_hidden(method, hidden, message):
         getattr(random_mtp(), method)(hidden)
 
 
+@pytest.mark.parametrize("method", ["compute_logits", "get_top_tokens", "embed_tokens"])
+def test_validate_must_be_a_bool(method):
+    """A truthy "no" validated all the same, and 0 skipped the checks."""
+    model = random_mtp()
+    value = torch.zeros(2, dtype=torch.long) if method == "embed_tokens" else torch.randn(2, 64)
+    for validate in ("no", 0):
+        with pytest.raises(ValueError, match=f"validate must be a bool, got {validate!r}"):
+            getattr(model, method)(value, validate=validate)
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.tensor([[3, 256]]), r"input_ids hold token id 256, outside the embedding table's rows \[0, 256\)"),
+    (torch.tensor([-1]), r"input_ids hold token id -1, outside the embedding table's rows"),
+    (torch.tensor([1.0]), "input_ids must be an integer tensor, got torch.float32"),
+    ([1, 2], "input_ids must be a torch.Tensor, got list"),
+    (torch.zeros(2, dtype=torch.long, device="meta"), "input_ids is on meta, the model on cpu"),
+])
+def test_embed_tokens_names_bad_ids(ids, message):
+    """It indexed the table unchecked: torch's IndexError (on CUDA a device assert) or its indices dtype error."""
+    with pytest.raises(ValueError, match=message):
+        random_mtp().embed_tokens(ids)
+    assert random_mtp().embed_tokens(torch.tensor([[3, 255]], dtype=torch.int16)).shape == (1, 2, 64)
+
+
 def test_a_float64_target_is_refused_naming_its_dtype(tiny_checkpoint):
     """A float64 target used to fail inside a matmul of the first round (the drafter runs fp32 / bf16 / fp16)."""
     target = load_hf_target(tiny_checkpoint, dtype=torch.float64).requires_grad_(False)

@@ -196,7 +196,7 @@ class InklingMTP(nn.Module):
                           inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`forward` without input validation (no host sync): bad inputs crash or answer wrong here."""
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids, validate=False)
         return self.run_layer(self.layers[depth], inputs_embeds, previous_hidden, positions,
                               cache.depths[depth] if cache is not None else None)
 
@@ -207,14 +207,19 @@ class InklingMTP(nn.Module):
         hidden = layer(embeds, previous_hidden, positions, depth_cache)
         return self.chain_norm(hidden) if self.chain_norm is not None else hidden
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The target's own (backbone-normed) token embedding."""
+    def embed_tokens(self, input_ids: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+        """The target's own (backbone-normed) token embedding of ids of any shape and integer dtype.
+        ``validate=False``: no checks (ids the caller checked)."""
+        if validate is not False and not torch.compiler.is_compiling():
+            arguments.check_bool("validate", validate)
+            input_ids = validation.check_ids(self, input_ids)
         return normed_embedding(self.embed_weight, input_ids, self.embed_norm_weight, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
         """``(hidden / mup) @ lm_head.T`` truncated to the unpadded vocab: [..., logits_vocab_size] (tensor-parallel:
         every rank's vocab rows, gathered). ``validate=False``: no checks (the drafter's own hidden states)."""
-        if validate and not torch.compiler.is_compiling():
+        if validate is not False and not torch.compiler.is_compiling():
+            arguments.check_bool("validate", validate)
             validation.check_head_input(self, hidden)
         if self.quantized_head is not None:  # its rows are the unpadded vocab, its scales carry 1/mup
             return self.quantized_head(hidden)
@@ -228,7 +233,8 @@ class InklingMTP(nn.Module):
         rank's argmax over its rows, then a [..., 2] (value, id) gather (docs/model.md §11)."""
         if self.parallel is None:
             return self.compute_logits(hidden, validate=validate).argmax(dim=-1)
-        if validate and not torch.compiler.is_compiling():
+        if validate is not False and not torch.compiler.is_compiling():
+            arguments.check_bool("validate", validate)
             validation.check_head_input(self, hidden)
         start, stop = self.parallel.vocab_rows(self.config)
         kept = min(stop, self.config.logits_vocab_size) - start  # padded ids never win

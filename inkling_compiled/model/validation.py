@@ -186,6 +186,18 @@ def _check_values(model, input_ids, inputs_embeds, positions, previous_hidden, p
                             "the real rows of a sequence are consecutive positions" + (f" ({note})" if note else ""))
 
 
+def check_ids(model: nn.Module, input_ids) -> torch.Tensor:
+    """Token ids of any shape and integer dtype as int64, on the model's device and inside its embedding table
+    (else an index error, on CUDA a device assert)."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ArgumentError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    input_ids = arguments.integer_tensor("input_ids", input_ids, ndim=input_ids.dim())
+    _check_device("input_ids", input_ids, model.device)
+    arguments.ids_below("input_ids", input_ids, model.embed_weight.shape[0], "the embedding table's rows",
+                        what="token id")
+    return input_ids
+
+
 def check_hidden(model: nn.Module, hidden) -> None:
     """The head's input: a tensor [..., H] in the model's dtype and on its device (else a matmul error, or an
     integer hidden silently promoted)."""

@@ -431,7 +431,7 @@ class Drafter:
         probability 0 (0 * NaN = NaN)."""
         real = positions >= 0
         slots = torch.where(real, positions, self.cache.pad_position)
-        rows = self.model.embed_tokens(input_ids) if embeds is None else embeds
+        rows = self.model.embed_tokens(input_ids, validate=False) if embeds is None else embeds
         hidden = self.model.run_layer(layer, rows, previous, slots, depth_cache)
         hidden = torch.where(real[..., None], hidden, 0.0)
         last_column = (torch.arange(positions.shape[1], device=positions.device) * real).amax(dim=1, keepdim=True)
@@ -445,7 +445,7 @@ class Drafter:
         outputs = (hidden, last, draft, next_ids) + ((probs,) if noise is not None else ())
         if embeds is None:
             return outputs
-        draft_rows = self.model.embed_tokens(draft[:, None])
+        draft_rows = self.model.embed_tokens(draft[:, None], validate=False)
         return outputs + (embeds.roll(-1, dims=1).scatter(1, last_column[..., None].expand_as(draft_rows), draft_rows),)
 
     def _round(self, window, depths, input_ids, positions, hidden, noise=None, inv_temperature=None, embeds=None):
@@ -635,13 +635,14 @@ class Drafter:
         before = torch.tensor(layout, device=positions.device)
         seq, slot = torch.arange(batch, device=before.device)[:, None], before.clamp(min=0) % k  # slot: position mod K
         if inputs_embeds is None and any(p in g for rows, g in zip(stored, given) for p in rows):
-            inputs_embeds = self.model.embed_tokens(input_ids).detach()
+            inputs_embeds = self.model.embed_tokens(input_ids, validate=False).detach()
         if inputs_embeds is not None:  # every stored row given as tokens, the ones the window adds too
             text = [(b, p % k) for b, (g, written) in enumerate(zip(given, self._written[:batch])) if written
                     for p in range(max(0, written - k), written) if p not in g]
             if text:
                 b, j = torch.tensor(text, device=before.device).T
-                self.history.embeds[b, j] = self.model.embed_tokens(self.history.input_ids[b, j]).detach()
+                embedded = self.model.embed_tokens(self.history.input_ids[b, j], validate=False)
+                self.history.embeds[b, j] = embedded.detach()
             inputs_embeds = torch.cat([self.history.embeds[seq, slot], inputs_embeds], dim=1)
         prepended = (self.history.input_ids[seq, slot], before, self.history.hidden[seq, slot])
         return (*(torch.cat([old, new], dim=1) for old, new in zip(prepended, (input_ids, positions.long(), hidden))),
