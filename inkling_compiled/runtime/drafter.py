@@ -672,6 +672,7 @@ class Drafter:
         the old ones."""
         cache = self.cache.depths[0].k
         if (cache.dtype, cache.device) != (self.model.dtype, self.model.device):
+            validation.check_parameters(self.model)  # the target converted alone: its shared tensors, not the MTP
             raise ValueError(f"the model is now {self.model.dtype} on {self.model.device}, but this Drafter was built "
                              f"for it as {cache.dtype} on {cache.device}: build a new Drafter after moving the model")
         follows_the_model = self._compile_options is None and not self._packaged  # eager, nothing packaged

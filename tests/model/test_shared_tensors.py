@@ -101,6 +101,5 @@ def test_a_target_converted_after_sharing_is_refused_naming_the_tensors(path, ta
         Drafter(mtp, max_batch_size=1, max_length=8, compile=False, num_speculative_tokens=1)
     with pytest.raises(ValueError, match=mixed):
         mtp(ids, positions, hidden.float())
-    with pytest.raises(ValueError, match=r"the model is now torch\.bfloat16 on cpu, but this Drafter was built for it "
-                                      r"as torch\.float32 on cpu: build a new Drafter"):
+    with pytest.raises(ValueError, match=mixed):  # not "the model is now bf16 ... build a new Drafter": it was not
         built_before.draft(ids, positions, hidden)
