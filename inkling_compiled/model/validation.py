@@ -147,11 +147,6 @@ def _check_values(model, input_ids, inputs_embeds, positions, previous_hidden, p
                  for name, x in (("previous_hidden", previous_hidden), ("inputs_embeds", inputs_embeds))
                  if x is not None}
     stats += [bad.sum() for bad in nonfinite.values()]
-    # the padding marker is position max_length, one past the last slot: a row right after a sequence's row at
-    # max_length - 1, or a call of padding rows only, is an overflow that would read as padding
-    overflow = cache is not None and not drafting
-    if overflow:
-        stats.append((padding[:, 1:] & real[:, :-1] & (pos[:, :-1] == cache.max_length - 1)).sum() + (~real.any()))
     broken = real & (pos - first + 1 != real.cumsum(dim=1))  # the real rows, in column order, are first, first + 1..
     stats.append(broken.sum())
     values = torch.stack(stats).tolist()  # the one host sync
@@ -175,11 +170,6 @@ def _check_values(model, input_ids, inputs_embeds, positions, previous_hidden, p
     if cache is not None and hi >= cache.max_length:
         raise ArgumentError(f"position {hi} is past the cache capacity: max_length is {cache.max_length} "
                             f"(positions 0..{cache.max_length - 1}; {note})")
-    if overflow and values[-2]:
-        raise ArgumentError(f"position {cache.max_length} is past the cache capacity: max_length is "
-                            f"{cache.max_length} (positions 0..{cache.max_length - 1}); it marks padding rows, but "
-                            f"follows a sequence's last position {cache.max_length - 1}, or every row of the call is "
-                            "padding")
     if values[-1]:  # the short convolutions read a sequence's rows as consecutive positions, cached or not
         row = int(broken.any(dim=1).nonzero()[0])
         raise ArgumentError(f"sequence {row}: positions {positions[row][real[row]].tolist()} are not consecutive; "

@@ -214,18 +214,13 @@ def test_position_past_cache_forward(model, inputs):
     ids, positions, hidden = inputs
     cache = model.new_cache(B, MAX_LEN)
     model(ids, positions + MAX_LEN - T, hidden, cache=cache)  # last real slot
-    padded = (positions + MAX_LEN - T - 1).clamp(min=0)
-    padded[0, 0] = cache.pad_position  # a padding row before the real ones
-    model(ids, padded, hidden, cache=cache)
+    model(ids, torch.full_like(positions, cache.pad_position), hidden, cache=cache)  # padding rows
+    ragged = positions + MAX_LEN - T  # sequence 0 ends at the last slot and is padded after it: a valid batch
+    ragged[0] = torch.tensor([MAX_LEN - 2, MAX_LEN - 1, cache.pad_position])
+    model(ids, ragged, hidden, cache=cache)
     with pytest.raises(ArgumentError, match=rf"position {MAX_LEN + 1} is past the cache capacity: max_length is "
                                          rf"{MAX_LEN} \(positions 0\.\.{MAX_LEN - 1}; {MAX_LEN} marks padding rows\)"):
         model(ids, positions + MAX_LEN - 1, hidden, cache=cache)
-    # one past the last slot is the padding marker: it read as padding, silently (a wrong hidden for that row)
-    one_past = rf"position {MAX_LEN} is past the cache capacity: .* follows a sequence's last position {MAX_LEN - 1}"
-    with pytest.raises(ArgumentError, match=one_past):
-        model(ids, positions + MAX_LEN - T + 1, hidden, cache=cache)
-    with pytest.raises(ArgumentError, match=one_past + ", or every row of the call is padding"):
-        model(ids, torch.full_like(positions, cache.pad_position), hidden, cache=cache)
 
 
 def test_position_past_cache_drafter(drafter, inputs):
