@@ -54,9 +54,9 @@ TARGET_TP_PLAN = {"model.language_model.embed_tokens": "replicate", "lm_head": "
 Result = TypeVar("Result")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype's bits as an integer of its size
 CHECKSUM = "contents of "  # the prefix of the fields :meth:`TensorParallel.agree` compares without printing them
-# (group name, size, device) -> (its ProcessGroup, the buffer of its agreement exchanges, the last one's Work), held
-# so that no gloo worker thread ever needs the GIL to finish one (TensorParallel._exchange)
-_EXCHANGES: dict[tuple, tuple] = {}
+# group name -> (its ProcessGroup, {(size, device): (the buffer of its agreement exchanges, the last one's Work)}),
+# held so that no gloo worker thread ever needs the GIL to finish one (TensorParallel._exchange)
+_EXCHANGES: dict[str, tuple] = {}
 
 
 def checksum(t: torch.Tensor, most: int = 1 << 18) -> torch.Tensor:
@@ -237,27 +237,31 @@ class TensorParallel:
     def _exchange(self, x: torch.Tensor) -> list:
         """:meth:`all_gather` of a 1-D int64 ``x`` as a list, for :meth:`agree`: a collective issued from Python.
 
-        Not a functional collective: its Work, once the ranks are done, is dropped by a gloo worker thread, and the
-        last C++ reference that thread drops to a tensor Python also holds takes the GIL (torch 2.13's PyObject
-        preservation), while it holds the group's work queue lock. A packaged (AOTInductor) step is called with the
-        GIL held and blocks in its own collectives on the same group, so a worker waiting for the GIL deadlocks
-        every rank (docs/model.md §11.4). Here each (group, size) keeps one buffer and the Work of its last
-        exchange: every Work a worker drops then references a buffer that the kept Work references too, so no
-        worker ever drops the last C++ reference but Python's (nor, before 2.13, a tensor Python has let go of)."""
+        Not a functional collective, because of a deadlock: a gloo worker thread drops the Work of a finished
+        collective, and when that drop releases the last C++ reference to a tensor Python also holds, it takes the
+        GIL (torch 2.13's PyObject preservation) while holding the group's work queue lock. A packaged
+        (AOTInductor) step holds the GIL and blocks in its own collectives on the same group, so a worker waiting
+        for the GIL stops every rank (docs/model.md §11.4). Each (group, size) therefore keeps one buffer and the
+        Work of its last exchange: a Work a worker drops then references a buffer the kept Work still references,
+        so its drop is never the last. Like every collective on a group, one thread at a time calls this."""
         from torch.distributed import distributed_c10d
 
+        # torch has no public name -> group lookup; the functional collectives resolve names with this same one
         group = distributed_c10d._resolve_process_group(self.group_name)
-        key = (self.group_name, x.numel(), x.device)
-        held = _EXCHANGES.get(key)
-        if held is None or held[0] is not group:  # another group since under this name (destroyed, made again)
-            held = group, torch.zeros(self.world_size, x.numel(), dtype=x.dtype, device=x.device), None
-        buffer = held[1]
+        held = _EXCHANGES.get(self.group_name)
+        if held is None or held[0] is not group:  # a group made again under this name: the old one's entries go
+            held = _EXCHANGES[self.group_name] = group, {}
+        key = (x.numel(), x.device)
+        if key not in held[1]:
+            with torch.inference_mode(False):  # a buffer made under inference mode could not be written outside it
+                held[1][key] = torch.zeros(self.world_size, x.numel(), dtype=x.dtype, device=x.device), None
+        buffer = held[1][key][0]
         buffer.zero_()
         buffer[self.rank] = x  # each rank fills its own slot; the others add 0
         work = torch.distributed.all_reduce(buffer, group=group, async_op=True)
         work.wait()
         gathered = buffer.tolist()
-        _EXCHANGES[key] = group, buffer, work  # the previous Work is dropped here, on this thread, or by its worker
+        held[1][key] = buffer, work  # the previous Work is dropped here, on this thread, or by its worker
         return gathered
 
     # -- communication ---------------------------------------------------------------------------------------------

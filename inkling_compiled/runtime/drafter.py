@@ -298,7 +298,6 @@ def _check_num_speculative_tokens(value, loaded: int) -> int:
     return value
 
 
-
 def _normal_state(method):
     """``method`` outside inference mode (under ``no_grad``) when called inside it: the cache and buffers a Drafter
     keeps are updated in place on every later call, which a tensor made under ``torch.inference_mode()`` refuses
@@ -310,6 +309,7 @@ def _normal_state(method):
         with torch.inference_mode(False), torch.no_grad():
             return method(*args, **kwargs)
     return run
+
 
 class Drafter:
     """Drafts ``num_speculative_tokens`` tokens per round with depths 0..K-1 of ``model`` for up to
@@ -528,6 +528,7 @@ class Drafter:
             outputs = self._compiled_round(*shape.args(), embeds=shape.embeds)
         return [t[:batch] for t in outputs]
 
+    @_normal_state
     def check(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
               inputs_embeds: torch.Tensor | None = None) -> None:
         """ArgumentError naming the problem for a bad batch, shape, id, position or value, or for a sequence whose

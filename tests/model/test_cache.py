@@ -138,3 +138,15 @@ def test_cached_forwards_without_no_grad_record_no_history():
     assert len(nodes[0]) == len(nodes[1]) == 1, nodes  # the same graph size at every step
     for d in cache.depths:
         assert all(not t.requires_grad and t.grad_fn is None for t in d.tensors())
+
+
+def test_a_cache_made_under_inference_mode_works_outside_it():
+    """Its buffers are normal tensors: made as inference tensors, every later in-place write outside inference mode
+    (a forward's slot writes, ``zero_()``) would be refused for good."""
+    model = random_mtp()
+    ids, pos, hidden = sequence()
+    with torch.inference_mode():
+        cache = model.new_cache(2, 32)
+        inside = model(ids, pos, hidden, cache=cache)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, pos, hidden, cache=cache.zero_()), inside)

@@ -16,6 +16,7 @@ from inkling_compiled import InklingMTP
 from inkling_compiled.arguments import ArgumentError
 from inkling_compiled.checkpoint import raw_key
 from inkling_compiled.generate import main as generate_cli
+from inkling_compiled.model import tensor_parallel
 from inkling_compiled.model.tensor_parallel import TARGET_TP_PLAN, TensorParallel, checksum
 from inkling_compiled.runtime import Drafter, custom_generate, speculative_generate
 from inkling_compiled.runtime.packaged import PackageMismatch
@@ -131,6 +132,12 @@ def _decoding(mesh, path) -> dict:
         torch.testing.assert_close(results[1].hidden, results[0].hidden, **TOL)
         if temperature:
             torch.testing.assert_close(results[1].draft_probs, results[0].draft_probs, **TOL)
+    # as in a fresh process whose first agreement runs under inference mode: the buffer it keeps is written again
+    # outside it (an inference tensor made there refused that for good)
+    tensor_parallel._EXCHANGES.clear()
+    with torch.inference_mode():
+        inside = tp(*rows, hidden)
+    torch.testing.assert_close(tp(*rows, hidden), inside, **TOL)
     return out
 
 
