@@ -230,7 +230,8 @@ class InklingMTP(nn.Module):
 
     def get_top_tokens(self, hidden: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
         """Greedy draft tokens [...]: argmax over the unpadded vocab (muP cannot change it); tensor-parallel, each
-        rank's argmax over its rows, then a [..., 2] (value, id) gather (docs/model.md §11)."""
+        rank's argmax over its rows, then a [..., 2] (value, id) gather (docs/model.md §11). ``validate=False``: no
+        checks, as for :meth:`compute_logits`."""
         if self.parallel is None:
             return self.compute_logits(hidden, validate=validate).argmax(dim=-1)
         if validate is not False and not torch.compiler.is_compiling():

@@ -341,7 +341,7 @@ class Drafter:
         self._quantization = model.quantization  # what the compiled and packaged steps are built for
         self._weights = _weight_addresses(model)  # ... and the tensors packaged rounds read (by address)
         # read-only (properties below): the cache, the buffers and the compiled round are sized by them
-        self._k = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
+        self._num_speculative_tokens = _check_num_speculative_tokens(num_speculative_tokens, model.config.num_depths)
         self._max_batch_size = arguments.positive_int("max_batch_size", max_batch_size)
         self._max_length = arguments.positive_int("max_length", max_length)
         self.cache = model.new_cache(self.max_batch_size, self.max_length)
@@ -567,7 +567,7 @@ class Drafter:
                                 f"{self.max_batch_size}")
         self.check_model_unchanged()
         if input_ids is None:  # the model's own check would ask for exactly one of the two
-            raise ArgumentError("input_ids are needed, with inputs_embeds too: each depth's rows pass their tokens on, "
+            raise ArgumentError("input_ids are needed (also when inputs_embeds is given): each depth's rows pass their tokens on, "
                                 "shifted, to the next depth")
         input_ids, positions = validation.checked_inputs_here(self.model, input_ids, positions, hidden, self.cache, 0,
                                                               None, drafting=True)  # as int64
@@ -801,14 +801,17 @@ class Drafter:
 
     @property
     def num_speculative_tokens(self) -> int:
-        return self._k
+        """K: the drafts of one :meth:`draft` call (read-only: the buffers and compiled rounds are built for it)."""
+        return self._num_speculative_tokens
 
     @property
     def max_batch_size(self) -> int:
+        """The most rows one call takes (the draft cache is allocated for them)."""
         return self._max_batch_size
 
     @property
     def max_length(self) -> int:
+        """The positions the draft cache holds per row; a position >= it is refused."""
         return self._max_length
 
     @property

@@ -116,9 +116,9 @@ class PackageMismatch(PackageError):
 
     def __init__(self, directory, differences: dict[str, str]):
         self.fields = tuple(differences)
-        self.what = f"the packaged steps in {directory} were built for another setup: " + "; ".join(
+        self.reason = f"the packaged steps in {directory} were built for another setup: " + "; ".join(
             differences.values())
-        super().__init__(self.what + ". Package them again here (save_compiled), or load with fallback=True to run "
+        super().__init__(self.reason + ". Package them again here (save_compiled), or load with fallback=True to run "
                          "the usual step instead")
 
 
@@ -259,7 +259,7 @@ def matches(directory, manifest: dict, here: dict, *, fallback: bool) -> bool:
     if problem is not None and not fallback:
         raise problem
     if problem is not None:
-        warnings.warn(f"{problem.what}; running the usual step instead", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"{problem.reason}; running the usual step instead", RuntimeWarning, stacklevel=3)
     return problem is None
 
 

@@ -39,7 +39,10 @@ class SpeculativeOutput:
     ``1 + sum(acceptance_per_position)`` up to the final truncation, with ``lockstep=True`` it is what the batch's
     cut left. The prefill's first token is not counted. Per round: ``drafted_per_round`` (K x unfinished rows),
     ``accepted_per_round`` (their accepted drafts), ``accepted_per_position_per_round`` (K counts: rows whose first
-    j + 1 drafts were accepted), ``emitted_per_round`` (tokens the rows emitted, summed over rows).
+    j + 1 drafts were accepted), ``emitted_per_round`` (tokens the rows emitted, summed over rows). Only the emitted
+    counts are clipped to what ``sequences`` holds: drafted, accepted and the (row, round) pairs count every round
+    the target verified, a row's rounds past the final cut included, so ``mean_accepted_length`` is the tokens kept
+    per row-forward spent and ``acceptance_rate`` is the verifier's, not the output's.
     """
 
     sequences: torch.LongTensor

@@ -486,7 +486,9 @@ def _sizes_transformers_trusts(config) -> None:
 def _pad_id_in_vocabulary(config: dict) -> None:
     """ArgumentError for a pad id outside the vocabulary, read before transformers builds the config: it warns of
     one on the terminal first, then fails building the embedding."""
-    text = config.get("text_config") or {}
+    text = config.get("text_config")
+    if not isinstance(text, dict):  # absent or malformed: transformers' own config checks name it
+        return
     vocab = text.get("vocab_size")
     if text.get("pad_token_id") is not None and isinstance(vocab, int) and vocab > 0:
         integer("text_config.pad_token_id", text["pad_token_id"], minimum=0, maximum=vocab - 1)

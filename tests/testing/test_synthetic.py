@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,16 @@ def test_target_loads_raw_layout_without_missing_keys(ckpt, raw):
             checked += 1
     assert checked == sum(1 for k in p if k.startswith(lm + "layers."))
     assert any(".mlp.experts." in k for k in p), "tiny trunk should contain a MoE layer"
+
+
+@pytest.mark.parametrize("text_config", [[1], "x"])
+def test_a_target_config_whose_text_config_is_no_mapping_is_a_config_error(ckpt, tmp_path, text_config):
+    """The pad-id check read before transformers' own was an AttributeError on it."""
+    edited = Path(shutil.copytree(ckpt, tmp_path / "edited"))
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "text_config": text_config}))
+    with pytest.raises(S.ConfigError, match=re.escape(f"{edited / 'config.json'}: transformers cannot build")):
+        S.load_hf_target(edited)
 
 
 def test_mtp_model_loads_every_depth(ckpt, raw, target):
