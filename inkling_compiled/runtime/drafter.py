@@ -567,8 +567,8 @@ class Drafter:
                                 f"{self.max_batch_size}")
         self.check_model_unchanged()
         if input_ids is None:  # the model's own check would ask for exactly one of the two
-            raise ArgumentError("input_ids are needed (also when inputs_embeds is given): each depth's rows pass their tokens on, "
-                                "shifted, to the next depth")
+            raise ArgumentError("input_ids are needed (also when inputs_embeds is given): each depth's rows pass "
+                                "their tokens on, shifted, to the next depth")
         input_ids, positions = validation.checked_inputs_here(self.model, input_ids, positions, hidden, self.cache, 0,
                                                               None, drafting=True)  # as int64
         if inputs_embeds is not None and (not isinstance(inputs_embeds, torch.Tensor)
