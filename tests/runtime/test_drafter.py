@@ -172,7 +172,8 @@ def test_non_finite_inputs_embeds_in_real_rows_are_refused():
     positions = positions.clone()
     positions[1, 2:] = -1  # padding rows may hold anything
     drafter.draft(ids, positions, hidden, inputs_embeds=embeds)
-    with pytest.raises(ArgumentError, match=r"input_ids are needed \(also when inputs_embeds is given\)"):  # not "exactly one"
+    # not the model's "pass exactly one of input_ids and inputs_embeds", though one was passed
+    with pytest.raises(ArgumentError, match=r"input_ids are needed \(also when inputs_embeds is given\)"):
         drafter.draft(None, positions, hidden, inputs_embeds=embeds)
 
 
