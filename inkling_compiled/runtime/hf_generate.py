@@ -21,6 +21,7 @@ from transformers import GenerationMixin
 from transformers.generation import (
     EosTokenCriteria,
     GenerateDecoderOnlyOutput,
+    GenerationMode,
     LogitsProcessorList,
     MaxLengthCriteria,
     RepetitionPenaltyLogitsProcessor,
@@ -48,6 +49,9 @@ ROW_PROCESSORS = CONTEXT_FREE_PROCESSORS | {
 # model kwargs generate passes that the loop derives itself (position ids from the mask) or does not need
 DERIVED_KWARGS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"}
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# the flags that select generate's other one-beam decoding modes
+MODE_FLAGS = {GenerationMode.CONTRASTIVE_SEARCH: "penalty_alpha", GenerationMode.DOLA_GENERATION: "dola_layers",
+              GenerationMode.CONSTRAINED_BEAM_SEARCH: "constraints / force_words_ids"}
 
 
 @dataclass
@@ -72,6 +76,20 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
     ``speculative_generate``. Raises ArgumentError naming any option it cannot honour.
     """
     streamer, synced_gpus, assistant = _generate_call_arguments(streamer, synced_gpus)
+    try:
+        return _custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                streamer, assistant, drafter, generator, lockstep, model_kwargs)
+    except BaseException:
+        if streamer is not None:  # generate gave it the prompt already: a consumer thread would wait for ever
+            streamer.end()
+        raise
+
+
+def _custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                     assistant, drafter, generator, lockstep, model_kwargs):
+    if not hasattr(generation_config, "_pad_token_tensor"):  # generate's _prepare_special_tokens sets it
+        raise ArgumentError("custom_generate takes the generation config that generate prepares: call "
+                            "target.generate(..., custom_generate=custom_generate, drafter=...), not it directly")
     if drafter is None:
         raise ArgumentError("custom_generate needs a drafter: generate(..., custom_generate=custom_generate, "
                             "drafter=Drafter(...))")
@@ -91,11 +109,17 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor: LogitsProc
                                 "decoding's, it reads scores)")
         else:
             criteria.append(criterion)
-    max_new_tokens = max_length - input_ids.shape[1]
+    # generate's loop emits a token before it asks any criterion, so a MaxLengthCriteria of the caller's at or below
+    # the prompt's width still gets one (generate itself refuses such a max_length of the config, before us)
+    max_new_tokens = max(1, max_length - input_ids.shape[1])
     do_sample = bool(generation_config.do_sample)
     draft_temperature = _draft_temperature(logits_processor) if do_sample else 0.0
     pad = generation_config._pad_token_tensor
     media = {name: model_kwargs.get(name) for name in MULTIMODAL_KWARGS}
+    copies, most = generation_config.num_return_sequences or 1, getattr(drafter, "max_batch_size", None)
+    if copies > 1 and isinstance(most, int) and input_ids.shape[0] > most:  # the loop's message names only B x n
+        raise ArgumentError(f"batch size {input_ids.shape[0]} ({input_ids.shape[0] // copies} prompts x "
+                            f"num_return_sequences={copies}) exceeds the drafter's max_batch_size {most}")
     input_ids, attention_mask, eos, pad = _validate(model, drafter, input_ids, model_kwargs.get("attention_mask"),
                                                     max_new_tokens, draft_temperature, 1.0, generator, lockstep, eos,
                                                     None if pad is None else int(pad), media)
@@ -133,9 +157,14 @@ def _generate_call_arguments(streamer, synced_gpus):
 def _refuse_unsupported(generation_config, synced_gpus, assistant, model_kwargs) -> None:
     if generation_config.num_beams != 1:
         raise ArgumentError(f"custom_generate cannot honour num_beams={generation_config.num_beams} (beam search)")
-    if assistant is not None or generation_config.prompt_lookup_num_tokens is not None:
+    if assistant is not None or generation_config.prompt_lookup_num_tokens is not None or \
+            getattr(generation_config, "assistant_early_exit", None) is not None:
         raise ArgumentError("custom_generate drafts with its own drafter: leave out assistant_model / "
-                            "prompt_lookup_num_tokens")
+                            "prompt_lookup_num_tokens / assistant_early_exit")
+    mode = _decoding_mode(generation_config)
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):  # generate refuses these only without us
+        raise ArgumentError(f"custom_generate runs greedy or sampled decoding, not {mode.value.replace('_', ' ')} "
+                            f"(leave out {MODE_FLAGS.get(mode, 'its flags')})")
     if synced_gpus:
         raise ArgumentError("custom_generate cannot honour synced_gpus=True")
     if generation_config.return_dict_in_generate:
@@ -148,6 +177,13 @@ def _refuse_unsupported(generation_config, synced_gpus, assistant, model_kwargs)
     unknown = sorted(set(model_kwargs) - DERIVED_KWARGS - set(MULTIMODAL_KWARGS))
     if unknown:
         raise ArgumentError(f"custom_generate cannot honour the model inputs {unknown}")
+
+
+def _decoding_mode(generation_config) -> GenerationMode:
+    """generate's decoding mode for these flags, ``use_mtp`` aside (the drafter is the MTP, whichever the flag)."""
+    config = copy.copy(generation_config)
+    config.use_mtp = False
+    return config.get_generation_mode()
 
 
 def _pads_after_stop(stopping_criteria: StoppingCriteriaList) -> bool:

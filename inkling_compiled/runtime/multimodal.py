@@ -88,6 +88,9 @@ def _checked_media(target, pixel_values, audio_input_ids, audio_input_ids_mask):
             raise ArgumentError(f"pixel_values must be a {tower.dtype} tensor on {tower.device} of shape [patches, "
                                 f"{', '.join(map(str, patch))}] (the target's vision patches), got "
                                 f"{_described(pixel_values)}")
+        if pixel_values.shape[0] == 0:  # the vision tower's reshape of no patches failed deep inside it
+            raise ArgumentError("pixel_values hold no patches (shape [0, ...]); leave them out for a prompt without "
+                                "images")
         if not bool(pixel_values.isfinite().all()):
             raise ArgumentError("pixel_values hold a NaN or inf")
     if audio_input_ids is not None:
@@ -118,7 +121,8 @@ def _image_features(target, image) -> torch.Tensor:
                             f"get_image_features(pixel_values, return_dict=True) returns it (its pooler_output a "
                             f"floating-point tensor [patches, 1, {hidden}]), got {got}")
     if not bool(features.isfinite().all()):  # as pixel_values: garbage rows the target would be prefilled with
-        raise ArgumentError("mm_encoder_outputs['image'].pooler_output holds a NaN or inf")
+        raise ArgumentError("the image features (mm_encoder_outputs['image'].pooler_output, which generate encodes "
+                            "from pixel_values) hold a NaN or inf")
     return features
 
 

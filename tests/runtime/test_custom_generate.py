@@ -13,8 +13,21 @@ import random
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, PreTrainedTokenizerFast, StoppingCriteria, TopKLogitsWarper
-from transformers.generation import EosTokenCriteria, StopStringCriteria, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    PreTrainedTokenizerFast,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TopKLogitsWarper,
+)
+from transformers.generation import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StopStringCriteria,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.streamers import BaseStreamer
 
 from inkling_compiled.runtime import SpeculativeGenerateOutput, custom_generate
@@ -245,12 +258,51 @@ def test_return_dict_in_generate(target):
     (dict(inputs_embeds=torch.zeros(1, 4, 64)), "a prompt given as inputs_embeds is not supported"),
     (dict(token_type_ids=torch.zeros(1, 4, dtype=torch.long)), "token_type_ids"),
     (dict(do_sample=True, temperature=1e-7), "temperature 1e-07 is below 1e-06: .* pass do_sample=False"),
+    # generate refuses these two modes only when no custom_generate is given: they were greedy decoding silently
+    (dict(penalty_alpha=0.6, top_k=4), r"not contrastive search \(leave out penalty_alpha\)"),
+    (dict(dola_layers="high"), r"not dola generation \(leave out dola_layers\)"),
+    (dict(assistant_early_exit=1), "assistant_early_exit"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(target, options, match):
     ids = torch.tensor([[5, 6, 7, 8]])
     drafter = options.pop("drafter", KStandInDrafter(1, 120, oracle=[{}]))
     with pytest.raises(ValueError, match=match):  # token_type_ids: transformers itself refuses it
         target.generate(ids, max_new_tokens=4, custom_generate=custom_generate, drafter=drafter, **options)
+
+
+def test_a_refusal_ends_the_streamer_generate_gave_the_prompt(target):
+    """A consumer of a TextIteratorStreamer waited for ever: generate puts the prompt before calling us."""
+    streamer = Recorder()
+    with pytest.raises(ValueError, match="num_beams=2"):
+        target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, num_beams=2, streamer=streamer,
+                        custom_generate=custom_generate, drafter=KStandInDrafter(1, 120, oracle=[{}]))
+    assert len(streamer.puts) == 1 and streamer.ends == 1
+
+
+def test_a_direct_call_is_told_to_go_through_generate(target):
+    """An unprepared GenerationConfig (its fields None in transformers 5) was 'num_beams=None (beam search)', a
+    TypeError or an AttributeError."""
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match=r"call target.generate\(\.\.\., custom_generate=custom_generate"):
+        custom_generate(target, ids, LogitsProcessorList(), StoppingCriteriaList(),
+                        GenerationConfig(num_beams=1, max_new_tokens=4), drafter=KStandInDrafter(1, 120, oracle=[{}]))
+
+
+def test_num_return_sequences_is_named_when_the_copies_outgrow_the_drafter(target):
+    ids, mask = prompts_for(2, seed=3)
+    drafter = KStandInDrafter(1, 120, oracle=[{}], max_batch_size=4)
+    with pytest.raises(ValueError, match=r"batch size 6 \(2 prompts x num_return_sequences=3\) exceeds the "
+                                         r"drafter's max_batch_size 4"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, num_return_sequences=3,
+                        custom_generate=custom_generate, drafter=drafter)
+
+
+def test_a_max_length_criterion_within_the_prompt_still_gets_one_token(target):
+    """generate's loop emits a token before asking its criteria; the loop was given max_new_tokens = -4."""
+    ids, mask = prompts_for(2, seed=5)
+    criteria = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] - 2)])
+    reference, ours = both(target, ids, mask, 2, 5, max_new_tokens=6, stopping_criteria=criteria)
+    assert reference.shape[1] == ids.shape[1] + 1 and torch.equal(ours, reference)
 
 
 # --------------------------------------------------------------------------------------------- sampling law

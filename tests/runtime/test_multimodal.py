@@ -205,7 +205,9 @@ def test_cli_decodes_an_image_and_audio_prompt(capsys, dtype):
     (dict(mm_encoder_outputs={"audio": torch.randn(3, 64)}), r"mm_encoder_outputs takes only the key 'image' .*got "
                                                             r"\['audio'\]"),
     (dict(mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=torch.full((6, 1, 64), math.nan))}),
-     r"mm_encoder_outputs\['image'\]\.pooler_output holds a NaN or inf"),
+     r"the image features \(mm_encoder_outputs\['image'\]\.pooler_output, which generate encodes from "
+     r"pixel_values\) hold a NaN or inf"),
+    (dict(pixel_values=torch.randn(0, *PATCH)), r"pixel_values hold no patches \(shape \[0, \.\.\.\]\)"),  # a reshape
 ])
 def test_media_the_towers_cannot_take_are_refused_by_name(tiny_mm, inputs, match):
     """Each was an error from inside the towers (an index error; a CUDA device assert) or the merge (an
